@@ -1,0 +1,57 @@
+"""The ``tokenfab`` command. Each part registers its own sub-commands.
+
+Sub-command modules expose ``add_parser(subparsers)``; each parser sets ``func(args) -> int``.
+Modules are imported lazily-enough: registering a parser must not import torch.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (module, what it registers). Order is the order of `tokenfab --help`.
+_COMMAND_MODULES = [
+    "tokenfab.engine_cli",   # generate, chat, info
+    "tokenfab.server.cli",   # serve
+    "tokenfab.bench.cli",    # bench
+    "tokenfab.quant.cli",    # quant
+    "tokenfab.plan.cli",     # plan
+]
+
+
+class CLIError(Exception):
+    """A user mistake: printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenfab", description="Run, serve, benchmark, quantize and plan LLM inference.")
+    parser.add_argument("--version", action="version", version=f"tokenfab {__import__('tokenfab').__version__}")
+    subs = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:  # that part is not written yet
+                continue
+            raise
+        mod.add_parser(subs)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (CLIError, ValueError, FileNotFoundError) as e:
+        print(f"tokenfab {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

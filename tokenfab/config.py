@@ -1,0 +1,49 @@
+"""Every engine knob in one place, named as vLLM names them where the meaning is the same.
+
+`LLM(...)`, the CLI flags and the server all map onto these fields.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None                 # GGUF file or HF folder; None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "float32"                   # float32 | bfloat16 (compute and KV dtype for float models)
+    device: str = "cpu"                      # cpu | cuda
+    max_model_len: int | None = None         # None: the model's context length
+    max_num_seqs: int = 64                   # sequences per step
+    max_num_batched_tokens: int = 2048       # token budget per step (prefill chunks + decodes)
+    block_size: int = 16                     # tokens per KV block
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_memory: int | None = None       # bytes for the KV pool; None: a safe share of free memory
+    num_kv_blocks: int | None = None         # exact pool size (overrides kv_cache_memory); mostly for tests
+    kv_cache_dtype: str = "auto"             # auto (= dtype) | int8
+    quantization: str | None = None          # None | int8 | int4 | int4-g32 | int4-g64 | int4-g128 | gguf
+    scheduling_policy: str = "fcfs"          # fcfs | priority
+    seed: int = 0
+    num_threads: int | None = None           # torch intra-op threads; None: torch's default
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+    def validate(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
