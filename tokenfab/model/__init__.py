@@ -1,0 +1,1 @@
+"""Model loading (GGUF and HF folders) and the Llama-family decoder."""
