@@ -149,6 +149,22 @@ def test_top_p_nucleus_larger_than_the_candidate_window_is_exact():
     assert sum(t.token_id >= 1024 for t in out) > 32  # the tail beyond the window is reachable
 
 
+def test_top_p_over_a_large_vocab_normalises_by_the_whole_distribution():
+    # 4 heavy tokens (0.5, 0.3, 0.12, 0.03) and a 5% tail spread over 4092 tokens. With top_p=0.82
+    # the nucleus is {0, 1, 2}: the mass before token 2 is 0.80. Normalising by only the best
+    # candidates' mass instead of the whole vocabulary would wrongly drop token 2.
+    vocab, n = 4096, 2000
+    probs = torch.full((vocab,), 0.05 / (vocab - 4), dtype=torch.float64)
+    probs[:4] = torch.tensor([0.5, 0.3, 0.12, 0.03], dtype=torch.float64)
+    base = probs.log().float()
+    torch.manual_seed(4)
+    out = Sampler([EOS], vocab)(base.expand(n, vocab).clone(), [row(SamplingParams(top_p=0.82)) for _ in range(n)])
+    freq = torch.bincount(torch.tensor([t.token_id for t in out]), minlength=vocab).double() / n
+    expected = torch.zeros(vocab, dtype=torch.float64)
+    expected[:3] = probs[:3] / probs[:3].sum()
+    assert (freq - expected).abs().max() < 5 * 0.5 / math.sqrt(n)
+
+
 def test_top_p_row_beside_a_top_k_row_is_renormalised_over_its_own_set():
     vocab = 100
     base = random_logits(1, vocab, seed=3, scale=2.0)[0]
