@@ -107,7 +107,15 @@ def sentencepiece_like_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<s>"])
     return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
+
+
+def test_skipped_special_tokens_keep_the_space_context():
+    tok = sentencepiece_like_tokenizer()
+    output = [3, 1, 1, 3, 4]  # "world", two skipped <s>, " world!"
+    deltas, _, _ = run(tok, output, [])
+    assert "".join(deltas) == tok.decode(output, skip_special_tokens=True) == "world world!"
 
 
 def test_leading_spaces_survive_with_sentencepiece_style_tokens():
@@ -155,6 +163,10 @@ def test_first_stop_string_to_complete_wins(bundled_tokenizer):
     ids = tok.encode("alpha beta gamma delta")
     deltas, matched, _ = run(tok, ids, chunks=[len(ids)], stop=["gamma delta", "beta", "alpha beta gamma"])
     assert matched == "beta" and "".join(deltas) == "alpha "
+    # Within one token (" gamma"), "amm" completes before "gamma" does, though "gamma" starts first.
+    assert " gamma" in [tok.decode([i]) for i in ids]
+    deltas, matched, _ = run(tok, ids, stop=["gamma", "amm"])
+    assert matched == "amm" and "".join(deltas) == "alpha beta g"
 
 
 def test_possible_stop_start_is_held_back_then_released(bundled_tokenizer):
