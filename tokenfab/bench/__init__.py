@@ -1,0 +1,19 @@
+"""tokenfab bench: load generation and measurement for OpenAI-compatible servers, and the offline engine.
+
+`tokenfab bench serve` talks HTTP to any OpenAI-compatible endpoint (ours, vLLM, SGLang,
+llama.cpp's server) and reports the metrics exactly as vLLM's `bench serve` defines them
+(DESIGN.md §6). Modules, in the order a run flows through them:
+
+  lengths.py    length distributions for prompts and outputs
+  tokens.py     exact token counts (the target's tokenizer) or approximate ones, and text of an exact length
+  datasets.py   random, shared-prefix, mixed and jsonl request sets
+  arrivals.py   when each request is due: Poisson / gamma arrivals
+  client.py     one streaming request, timed per SSE chunk
+  timing.py     one request's TTFT, ITL, TPOT, E2E from its timed chunks and token counts
+  aggregate.py  throughput, goodput and percentiles, overall and per prompt-length bucket
+  serving.py    runs: warm-up, dispatch on schedule under a concurrency cap, sweeps
+  schema.py     the JSON result: its stable layout, writing and loading
+  report.py     rich tables;  plots.py  PNG plots;  compare.py  runs side by side
+  offline.py    `bench offline`: prefill and decode tok/s of the in-process engine
+  fake_server.py  a scripted OpenAI-compatible server with known timing, for tests and self-checks
+"""

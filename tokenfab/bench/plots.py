@@ -1,0 +1,138 @@
+"""PNG plots of bench results: latency CDFs, per-bucket P50/P99 bars, and sweep curves.
+
+Everything is drawn from the JSON form of a result, so plots can be made again later from a
+saved file (`bench compare --plot` overlays several). CDFs need the per-request records.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from tokenfab.bench.aggregate import pkey
+from tokenfab.bench.report import NAMES, fmt_rate
+
+_CDF_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")  # files only; never a window
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _series(run: dict, metric: str) -> list[float]:
+    ok = [r for r in run["requests"] if r["success"]]
+    if metric == "itl":
+        return [x for r in ok for x in r["itl_ms"]]
+    return [r[f"{metric}_ms"] for r in ok if r[f"{metric}_ms"] is not None]
+
+
+def latency_cdfs(runs: list[tuple[str, dict]], path: str) -> str | None:
+    """One panel per metric, one line per (label, run)."""
+    if not any(run["requests"] for _, run in runs):
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    for ax, m in zip(axes.flat, _CDF_METRICS):
+        for label, run in runs:
+            x = np.sort(np.asarray(_series(run, m), dtype=float))
+            if x.size:
+                ax.plot(x, np.arange(1, x.size + 1) / x.size, label=label, drawstyle="steps-post")
+        ax.set_title(f"{NAMES[m]} CDF")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of " + ("tokens" if m == "itl" else "requests"))
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def bucket_bars(run: dict, percentiles: list[float], path: str, title: str = "") -> str | None:
+    """P50 and the highest percentile of TTFT, TPOT and E2E per prompt-length bucket."""
+    buckets = [b for b in run["buckets"] if b["completed"]]
+    if not buckets:
+        return None
+    plt = _pyplot()
+    lo, hi = (50.0 if 50.0 in percentiles else min(percentiles)), max(percentiles)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    x = np.arange(len(buckets))
+    for ax, m in zip(axes, ("ttft", "tpot", "e2el")):
+        for k, (p, shift) in enumerate(((lo, -0.2), (hi, 0.2))):
+            vals = [b[f"{pkey(p)}_{m}_ms"] or 0.0 for b in buckets]
+            ax.bar(x + shift, vals, width=0.4, label=pkey(p).upper())
+        ax.set_xticks(x, [f"{b['bucket']}\n(n={b['completed']})" for b in buckets], fontsize=8)
+        ax.set_title(f"{NAMES[m]} by prompt length")
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def sweep_curves(result: dict, path: str) -> str | None:
+    """Achieved throughput and tail latency against the offered request rate."""
+    runs = [r for r in result["runs"] if r["request_rate"] != "inf"]
+    if len(runs) < 2:
+        return None
+    plt = _pyplot()
+    k = pkey(max(result["config"]["percentiles"]))
+    rates = [float(r["request_rate"]) for r in runs]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    a.plot(rates, [r["summary"]["request_throughput"] or 0 for r in runs], "o-", label="achieved req/s")
+    a.plot(rates, rates, ":", color="grey", label="offered")
+    sat = result["sweep"].get("saturation_request_rate")
+    if sat:
+        a.axhline(sat, color="red", alpha=0.4, label=f"saturation {sat:.2f} req/s")
+    a.set_xlabel("offered request rate (req/s)")
+    a.set_ylabel("requests/s")
+    tok = a.twinx()
+    tok.plot(rates, [r["summary"]["output_throughput"] or 0 for r in runs], "s--", color="tab:green",
+             label="output tok/s")
+    tok.set_ylabel("output tokens/s")
+    a.legend(loc="upper left", fontsize=8)
+    tok.legend(loc="lower right", fontsize=8)
+    a.set_title("Throughput against offered rate")
+    for m in ("ttft", "tpot", "e2el"):
+        b.plot(rates, [r["summary"][f"{k}_{m}_ms"] or math.nan for r in runs], "o-", label=f"{NAMES[m]} {k.upper()}")
+    b.set_yscale("log")
+    b.set_xlabel("offered request rate (req/s)")
+    b.set_ylabel("ms")
+    b.set_title(f"{k.upper()} latency against offered rate")
+    b.legend(fontsize=8)
+    b.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_result(result: dict, out_dir: str) -> list[str]:
+    """All plots of one result file into `out_dir`; returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    pcts = result["config"]["percentiles"]
+    runs = result["runs"]
+    written = [latency_cdfs([(f"rate {fmt_rate(r['request_rate'])}", r) for r in runs],
+                            os.path.join(out_dir, "latency_cdf.png"))]
+    for i, run in enumerate(runs):
+        name = "buckets.png" if len(runs) == 1 else f"buckets_run{i}_rate-{fmt_rate(run['request_rate'])}.png"
+        written.append(bucket_bars(run, pcts, os.path.join(out_dir, name),
+                                   f"rate {fmt_rate(run['request_rate'])} req/s"))
+    written.append(sweep_curves(result, os.path.join(out_dir, "sweep.png")))
+    return [p for p in written if p]
+
+
+def plot_compare(labelled: list[tuple[str, dict]], out_dir: str) -> list[str]:
+    """Latency CDFs of several runs (one per file) overlaid."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = latency_cdfs(labelled, os.path.join(out_dir, "compare_latency_cdf.png"))
+    return [path] if path else []
