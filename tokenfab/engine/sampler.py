@@ -21,9 +21,10 @@ import torch
 
 from tokenfab.sampling import SamplingParams
 
-# Top-p first looks among this many best tokens (enough mass for typical LM distributions); a row whose
-# nucleus is not inside them falls back to a full sort, so the result is always exact.
-_TOP_P_CANDIDATES = 1024
+# A top-p row (without top-k) looks for its nucleus among its best 64 tokens, then 1024, then all of
+# them, checking the candidates' mass each time, so the result is always exact. A full sort of a 49k
+# vocabulary costs about 6 ms per row on this CPU, top-64 about 0.1 ms and top-1024 about 0.7 ms.
+_TOP_P_WIDTHS = (64, 1024)
 
 
 @dataclass(slots=True)
@@ -166,12 +167,10 @@ class Sampler:
 
 
 def _draw(x: torch.Tensor, params: list[SamplingParams], generator: torch.Generator | None) -> list[int]:
-    """Temperature, min-p, top-k, top-p, then one multinomial draw per row."""
+    """Temperature, min-p, top-k, top-p, then one draw per row."""
     n, vocab = x.shape
     dev = x.device
-    temp = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=dev)[:, None]
-    x = x / temp
-
+    x = x / torch.tensor([p.temperature for p in params], dtype=x.dtype, device=dev)[:, None]
     if any(p.min_p > 0 for p in params):
         # Keep tokens whose probability is at least min_p times the most likely token's.
         min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=dev)[:, None]
@@ -180,39 +179,79 @@ def _draw(x: torch.Tensor, params: list[SamplingParams], generator: torch.Genera
 
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [p.top_p for p in params]
-    if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p):
-        return torch.multinomial(torch.softmax(x, dim=-1), 1, generator=generator)[:, 0].tolist()
+    plain = [i for i in range(n) if top_k[i] == vocab and top_p[i] >= 1.0]
+    with_k = [i for i in range(n) if top_k[i] < vocab]
+    p_only = [i for i in range(n) if top_k[i] == vocab and top_p[i] < 1.0]
+    out = [0] * n
 
-    # Candidate set: the best `width` tokens of every row, sorted (ties keep the lower id first).
-    want = [k if k < vocab else (_TOP_P_CANDIDATES if p < 1.0 else vocab) for k, p in zip(top_k, top_p)]
-    width = min(vocab, max(want))
-    vals, idx = _sorted_top(x, width)
-    if width < vocab and any(k == vocab and p < 1.0 for k, p in zip(top_k, top_p)):
-        # Rows with top-p but no top-k need their nucleus inside the candidates; check the mass.
-        mass = torch.exp(torch.logsumexp(vals, dim=-1) - torch.logsumexp(x, dim=-1))
-        if any(k == vocab and p < 1.0 and m < p for k, p, m in zip(top_k, top_p, mass.tolist())):
-            width = vocab
-            vals, idx = _sorted_top(x, width)
+    def put(rows: list[int], tokens: list[int]) -> None:
+        for i, t in zip(rows, tokens):
+            out[i] = t
 
-    pos = torch.arange(width, device=dev)[None, :]
-    k_t = torch.tensor(top_k, device=dev)[:, None]
-    vals = vals.masked_fill(pos >= k_t, float("-inf"))
+    if plain:
+        put(plain, _inverse_cdf(torch.softmax(x[plain], dim=-1), generator).tolist())
+    if with_k:
+        # The nucleus of a top-k row lies inside its k best tokens, renormalised over them.
+        xs = x[with_k]
+        vals, idx = _sorted_top(xs, max(top_k[i] for i in with_k))
+        put(with_k, _truncated_draw(vals, idx, torch.logsumexp(vals, dim=-1, keepdim=True),
+                                    [top_k[i] for i in with_k], [top_p[i] for i in with_k], generator))
+    for width in [w for w in _TOP_P_WIDTHS if w < vocab] + [vocab]:
+        if not p_only:
+            break
+        xs = x[p_only]
+        vals, idx = _sorted_top(xs, width)
+        lse = torch.logsumexp(xs, dim=-1, keepdim=True)
+        if width < vocab:
+            # Rows whose best `width` tokens hold less mass than top_p retry with a wider window.
+            mass = torch.exp(torch.logsumexp(vals, dim=-1, keepdim=True) - lse)[:, 0].tolist()
+            ok = [j for j, i in enumerate(p_only) if mass[j] >= top_p[i]]
+        else:
+            ok = list(range(len(p_only)))
+        if ok:
+            rows = [p_only[j] for j in ok]
+            put(rows, _truncated_draw(vals[ok], idx[ok], lse[ok], [vocab] * len(rows), [top_p[i] for i in rows], generator))
+            p_only = [i for i in p_only if i not in set(rows)]
+    return out
+
+
+def _truncated_draw(vals: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor, top_k: list[int],
+                    top_p: list[float], generator: torch.Generator | None) -> list[int]:
+    """Draw from sorted candidates `vals` (token ids `idx`) after top-k and top-p.
+
+    `lse` is the log normaliser the nucleus is measured against: the top-k set's for top-k rows, the
+    whole vocabulary's otherwise (candidates beyond the window still carry mass).
+    """
+    width = vals.shape[1]
+    pos = torch.arange(width, device=vals.device)[None, :]
+    vals = vals.masked_fill(pos >= torch.tensor(top_k, device=vals.device)[:, None], float("-inf"))
     if any(p < 1.0 for p in top_p):
-        # Nucleus over the top-k-renormalised distribution. A row with no top-k is renormalised over
-        # the whole vocabulary: candidates beyond `width` carry mass even though they are not here.
-        full_lse = torch.logsumexp(x, dim=-1, keepdim=True)
-        cand_lse = torch.logsumexp(vals, dim=-1, keepdim=True)
-        has_k = torch.tensor([k < vocab for k in top_k], device=dev)[:, None]
-        probs = torch.exp(vals - torch.where(has_k, cand_lse, full_lse))
+        probs = torch.exp(vals - lse)
         mass_before = torch.cumsum(probs, dim=-1) - probs
-        p_t = torch.tensor(top_p, dtype=x.dtype, device=dev)[:, None]
+        p_t = torch.tensor(top_p, dtype=vals.dtype, device=vals.device)[:, None]
         # Keep a token while the mass strictly before it is below top_p; the best token always stays.
         vals = vals.masked_fill((mass_before >= p_t) & (pos > 0), float("-inf"))
-    choice = torch.multinomial(torch.softmax(vals, dim=-1), 1, generator=generator)
-    return idx.gather(1, choice)[:, 0].tolist()
+    choice = _inverse_cdf(torch.softmax(vals, dim=-1), generator)
+    return idx.gather(1, choice[:, None])[:, 0].tolist()
+
+
+def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row, drawn with probability proportional to `probs` (rows of weights >= 0).
+
+    One uniform number per row and a binary search over the running sum: about 0.1 ms for a 49k row,
+    where torch.multinomial takes about 2 ms on this CPU.
+    """
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    u = torch.rand(total.shape, generator=generator, dtype=cdf.dtype, device=cdf.device) * total
+    # right=True: the first index whose running sum exceeds u, so zero-weight tokens are never chosen.
+    idx = torch.searchsorted(cdf, u, right=True)
+    # u may round up to the total itself; then take the last token with weight.
+    last = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(idx, last)[:, 0]
 
 
 def _sorted_top(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if width == x.shape[1]:
+    if width >= x.shape[1]:
         return torch.sort(x, dim=-1, descending=True, stable=True)
     return torch.topk(x, width, dim=-1, sorted=True)
