@@ -211,13 +211,17 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         return self.virtual_now
 
 
-async def serve(script: FakeScript, host: str = "127.0.0.1", port: int = 0, ready=None) -> None:
+async def start_fake_server(script: FakeScript, host: str = "127.0.0.1",
+                            port: int = 0) -> tuple[FakeServer, asyncio.Server, str]:
+    """Start serving on the running loop: (the fake, the asyncio server, its base URL)."""
     fake = FakeServer(script)
     server = await asyncio.start_server(fake.handle, host, port, backlog=1024)
-    bound = server.sockets[0].getsockname()[1]
-    print(f"fake server listening on http://{host}:{bound}", flush=True)
-    if ready is not None:
-        ready(bound)
+    return fake, server, f"http://{host}:{server.sockets[0].getsockname()[1]}"
+
+
+async def serve(script: FakeScript, host: str = "127.0.0.1", port: int = 0) -> None:
+    _, server, url = await start_fake_server(script, host, port)
+    print(f"fake server listening on {url}", flush=True)
     async with server:
         await server.serve_forever()
 

@@ -86,8 +86,7 @@ def resolve_counts(raw: RawResult, counter: TokenCounter) -> tuple[list[int], st
         source = "tokenizer" if counter.exact else "approximate"
     unknown = [i for i, k in enumerate(known) if k is None]
     rest = max(total - sum(k for k in known if k is not None), 0)
-    weights = counter.count_text([events[i].text for i in unknown]) if counter.exact else \
-        [len(events[i].text) for i in unknown]
+    weights = counter.count_text([events[i].text for i in unknown])
     counts = [k or 0 for k in known]
     for i, c in zip(unknown, apportion(rest, weights)):
         counts[i] = c
