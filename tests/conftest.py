@@ -16,3 +16,12 @@ def bundled_path() -> str:
 def bundled_tokenizer(bundled_path):
     from tokenfab.model.tokenizer import load_tokenizer
     return load_tokenizer(bundled_path)
+
+
+@pytest.fixture(scope="session")
+def bundled_llm():
+    """The bundled model in float32, shared by tests that only generate (each must leave no request behind)."""
+    from tokenfab import LLM
+    llm = LLM(max_model_len=2048, num_kv_blocks=1024)
+    yield llm
+    assert llm.engine.block_manager.num_used_blocks() == 0

@@ -1,0 +1,72 @@
+"""The correctness oracle: Hugging Face `transformers`, greedy, float32, same weights and prompts."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding with the HF KV cache, never stopping early (as ignore_eos=True)."""
+    ids = torch.tensor([prompt_ids])
+    out: list[int] = []
+    past = None
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            res = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            ids = torch.tensor([[tok]])
+    return out
+
+
+def load_hf_gguf(path: str):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    m = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    return m.eval()
+
+
+TINY_CONFIGS = {
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1000000.0,
+                  tie_word_embeddings=True),
+    "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, sliding_window=None),
+}
+
+
+def make_tiny_model(kind: str, folder: str, tokenizer, seed: int = 0):
+    """A random-weight HF model of `kind` saved to `folder` with the given tokenizer; returns the HF model.
+
+    Weights use a larger init scale than HF's default so logits are peaked and greedy choices are
+    not near-ties that float rounding could flip.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(TINY_CONFIGS[kind])
+    model_type = kw.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), max_position_embeddings=1024,
+                               initializer_range=0.2, bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    if kind == "qwen2":  # exercise the QKV bias path with non-zero biases
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        assert json.load(f)["model_type"] == model_type
+    return model

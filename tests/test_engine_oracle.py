@@ -1,0 +1,51 @@
+"""Greedy output is token-exact against transformers (float32), on the bundled model and tiny random models."""
+import pytest
+
+from tests.oracle import hf_greedy, load_hf_gguf, make_tiny_model
+from tokenfab import LLM, SamplingParams
+
+NEW_TOKENS = 64
+RAW_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+CHATS = [[{"role": "user", "content": "Write a short poem about the sea."}],
+         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "List three prime numbers."}]]
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf_bundled(bundled_path):
+    return load_hf_gguf(bundled_path)
+
+
+def test_bundled_raw_prompts_match_transformers(bundled_llm, hf_bundled):
+    outs = bundled_llm.generate(RAW_PROMPTS, GREEDY)
+    for out in outs:
+        assert len(out.outputs[0].token_ids) == NEW_TOKENS
+        assert out.outputs[0].token_ids == hf_greedy(hf_bundled, out.prompt_token_ids, NEW_TOKENS)
+
+
+def test_bundled_chat_prompts_match_transformers(bundled_llm, hf_bundled, bundled_tokenizer):
+    outs = bundled_llm.chat(CHATS, GREEDY)
+    for conv, out in zip(CHATS, outs):
+        expected_prompt = bundled_tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+        expected_prompt = list(expected_prompt["input_ids"] if hasattr(expected_prompt, "keys") else expected_prompt)
+        assert out.prompt_token_ids == expected_prompt
+        assert out.outputs[0].token_ids == hf_greedy(hf_bundled, out.prompt_token_ids, NEW_TOKENS)
+
+
+def test_bundled_prompt_tokens_match_transformers_tokenizer(bundled_llm, bundled_path):
+    from transformers import AutoTokenizer
+    import os
+    hf_tok = AutoTokenizer.from_pretrained(os.path.dirname(bundled_path), gguf_file=os.path.basename(bundled_path))
+    for p in RAW_PROMPTS + ["naïve café — 日本語 🙂", "  leading spaces\n\ttabs"]:
+        assert bundled_llm.engine.tokenize(p) == list(hf_tok(p).input_ids)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+def test_tiny_random_model_matches_transformers(kind, tmp_path, bundled_tokenizer):
+    hf = make_tiny_model(kind, str(tmp_path), bundled_tokenizer)
+    llm = LLM(model=str(tmp_path), max_model_len=512, num_kv_blocks=64)
+    prompts = [[5, 17, 300, 4000, 99, 12], list(range(100, 140))]
+    outs = llm.generate(prompts, GREEDY)
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, p, NEW_TOKENS)
+    assert llm.engine.block_manager.num_used_blocks() == 0

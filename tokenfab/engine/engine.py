@@ -1,0 +1,244 @@
+"""LLMEngine: add requests, step, collect outputs. One `step()` = schedule -> run -> sample -> postprocess.
+
+The offline `LLM`, the CLI and the server's AsyncEngine all drive this class.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenfab.config import EngineConfig
+from tokenfab.engine.detokenizer import IncrementalDetokenizer
+from tokenfab.engine.kv_cache import BlockManager
+from tokenfab.engine.runner import ModelRunner
+from tokenfab.engine.sampler import Sampler, SampleRow
+from tokenfab.engine.scheduler import Scheduler
+from tokenfab.engine.sequence import Sequence, SequenceStatus
+from tokenfab.model.llama import build_model
+from tokenfab.model.loader import load_model_files
+from tokenfab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenfab.sampling import SamplingParams
+
+log = logging.getLogger("tokenfab.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_KV_SHARE = 0.2          # of available memory, when kv_cache_memory is not given
+DEFAULT_KV_CAP = 4 << 30        # bytes; plenty for small models, and leaves room for everything else
+
+
+def available_memory(device: str) -> int:
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since start (monotonic) and gauges (now), for /metrics and benchmarks."""
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        files = load_model_files(config.model)
+        self.model_path = files.path
+        self.model_config = mcfg = files.config
+        self.tokenizer = files.tokenizer
+        self.file_dtypes = files.file_dtypes
+        self.dtype = _DTYPES[config.dtype]
+        max_len = config.max_model_len or mcfg.max_position_embeddings
+
+        kv_dtype = self.dtype
+        self.kv_bytes_per_token = mcfg.kv_bytes_per_token(torch.tensor([], dtype=kv_dtype).element_size())
+        block_bytes = self.kv_bytes_per_token * config.block_size
+        if config.num_kv_blocks:
+            num_blocks = config.num_kv_blocks
+        else:
+            budget = config.kv_cache_memory or min(int(available_memory(config.device) * DEFAULT_KV_SHARE), DEFAULT_KV_CAP)
+            num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory is too small for one KV block ({block_bytes} bytes)")
+        # A sequence must always fit alone, or preemption could never make progress.
+        self.max_model_len = min(max_len, num_blocks * config.block_size)
+        if self.max_model_len < max_len and config.max_model_len:
+            log.warning("max_model_len %d lowered to %d: the KV pool holds only %d tokens",
+                        max_len, self.max_model_len, num_blocks * config.block_size)
+
+        self.model = build_model(mcfg, files.weights, self.dtype, config.device, config.block_size, self.max_model_len + 1)
+        del files
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill, config.scheduling_policy)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype, config.device)
+        self.eos_token_ids = list(mcfg.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids, mcfg.vocab_size)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.prompts: dict[str, str | None] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # -- requests --------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return list(self.tokenizer(prompt).input_ids)
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        vocab = self.model_config.vocab_size
+        for t in prompt:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t!r} is not in [0, {vocab})")
+        return list(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> list[int]:
+        """Queue a request. Raises ValueError (changing nothing) on bad input. Returns the prompt ids."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling params must be a SamplingParams")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
+                             f"(at least one token must be left to generate)")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(request_id, i, ids, params, max_tokens, priority=priority, arrival_time=arrival)
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed + i)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
+            seqs.append(seq)
+        self.requests[request_id] = seqs
+        self.prompts[request_id] = prompt if isinstance(prompt, str) else None
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return ids
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks. Unknown or finished ids are ignored."""
+        seqs = self.requests.pop(request_id, None)
+        self.prompts.pop(request_id, None)
+        if seqs is None:
+            return False
+        for seq in seqs:
+            if not seq.status.finished:
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.FINISHED_ABORTED
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch. Returns outputs of the requests that progressed or finished."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.scheduled_time is None:
+                seq.scheduled_time = now
+        step = self.runner.prepare(batch)
+        logits = self.runner.execute(step)
+        rows = [SampleRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in step.sampling_seqs]
+        sampled = self.sampler(logits, rows) if rows else []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                self.prompt_tokens_total += n if seq.num_preemptions == 0 else 0
+            self.block_manager.cache_full_blocks(seq)
+
+        now = time.monotonic()
+        touched: dict[str, None] = {}
+        for seq, tok in zip(step.sampling_seqs, sampled):
+            self._append_token(seq, tok, now)
+            touched[seq.request_id] = None
+        return [self._request_output(rid) for rid in touched]
+
+    def _append_token(self, seq: Sequence, tok, now: float) -> None:
+        seq.token_ids.append(tok.token_id)
+        self.generation_tokens_total += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if tok.logprob is not None:
+            entry = {tok.token_id: Logprob(tok.logprob)}
+            for tid, lp in (tok.top_logprobs or {}).items():
+                entry.setdefault(tid, Logprob(lp))
+            seq.logprobs.append(entry)
+        p = seq.params
+        _, stop_str = seq.detokenizer.step([tok.token_id])
+        n_out = seq.num_output_tokens
+        if stop_str is not None:
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED, stop_str)
+        elif n_out >= p.min_tokens and not p.ignore_eos and tok.token_id in self.eos_token_ids:
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED, None)
+        elif n_out >= p.min_tokens and tok.token_id in p.stop_token_ids:
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED, tok.token_id)
+        elif n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, SequenceStatus.FINISHED_LENGTH, None)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, reason) -> None:
+        if status is not SequenceStatus.FINISHED_STOPPED or not isinstance(reason, str):
+            seq.detokenizer.finish()
+        seq.status = status
+        seq.stop_reason = reason
+        self.scheduler.remove(seq)
+
+    def _request_output(self, request_id: str) -> RequestOutput:
+        seqs = self.requests[request_id]
+        finished = all(s.status.finished for s in seqs)
+        outs = []
+        for s in seqs:
+            lps = s.logprobs if s.params.logprobs is not None else None
+            cum = sum(d[t].logprob for d, t in zip(s.logprobs, s.output_token_ids)) if lps else None
+            outs.append(CompletionOutput(s.index, s.detokenizer.text, s.output_token_ids, s.finish_reason,
+                                         s.stop_reason, lps, cum))
+        s0 = seqs[0]
+        first_tok = min((s.first_token_time for s in seqs if s.first_token_time), default=None)
+        out = RequestOutput(request_id, self.prompts.get(request_id), s0.prompt_token_ids, outs, finished,
+                            num_cached_tokens=s0.num_cached_tokens,
+                            metrics=RequestMetrics(s0.arrival_time, s0.scheduled_time, first_tok,
+                                                   time.monotonic() if finished else None))
+        if finished:
+            del self.requests[request_id]
+            self.prompts.pop(request_id, None)
+        return out
+
+    # -- introspection ---------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage(), bm.num_blocks,
+                           bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
+                           self.prompt_tokens_total, self.generation_tokens_total)

@@ -1,0 +1,134 @@
+"""BlockManager: the paged KV pool's bookkeeping (which block holds which tokens), not the tensors.
+
+- Fixed-size blocks; sequences own lists of block ids; ref counts let sequences share blocks.
+- Prefix caching: every full block is registered under hash(parent_hash, its token ids). A new
+  sequence reuses the longest chain of registered blocks; each hit is verified token by token
+  (a hash collision must never serve wrong K/V).
+- Freed blocks keep their hash and stay reusable until evicted, least recently freed first.
+- Invariant: with no sequence alive, every block has ref count 0 (`num_used_blocks() == 0`).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from tokenfab.engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        # Blocks with ref count 0, in eviction order (front = evicted first). Values unused.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        # Prefix-cache statistics, in tokens, as vLLM counts them.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # -- queries -----------------------------------------------------------------------------
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def usage(self) -> float:
+        return self.num_used_blocks() / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache ------------------------------------------------------------------------
+    @staticmethod
+    def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+        return hash((parent, tokens))
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached prefix of `seq`, leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs   # at least one token must run to produce logits
+        blocks: list[int] = []
+        parent = None
+        for i in range(max_blocks):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = self.chain_hash(parent, tokens)
+            b = self.hash_to_block.get(h)
+            if b is None or self.block_tokens[b] != tokens:
+                break
+            blocks.append(b)
+            parent = h
+        return blocks
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks that `seq` has completely computed since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), full):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = self.chain_hash(parent, tokens)
+            b = seq.block_table[i]
+            if self.block_hash[b] is None and h not in self.hash_to_block:
+                self.block_hash[b], self.block_tokens[b] = h, tokens
+                self.hash_to_block[h] = b
+            seq.block_hashes.append(h)
+            parent = h
+
+    # -- allocation --------------------------------------------------------------------------
+    def can_admit(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
+        """Would `allocate(seq, num_new_tokens, cached)` succeed?"""
+        needed = self.blocks_needed(seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens)
+        needed -= len(seq.block_table) + len(cached)
+        reclaimable_cached = sum(1 for b in cached if self.ref_counts[b] == 0)  # free now, taken by the hit
+        return needed + reclaimable_cached <= len(self.free)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        """Give `seq` blocks for `num_new_tokens` more tokens (after taking `cached` prefix blocks).
+
+        Returns False, changing nothing, when the pool is short.
+        """
+        if not self.can_admit(seq, list(cached), num_new_tokens):
+            return False
+        for b in cached:
+            if self.ref_counts[b] == 0:
+                del self.free[b]
+            self.ref_counts[b] += 1
+            seq.block_table.append(b)
+            seq.block_hashes.append(self.block_hash[b])
+        target = self.blocks_needed(seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens)
+        while len(seq.block_table) < target:
+            b, _ = self.free.popitem(last=False)
+            if self.block_hash[b] is not None:   # evict its cached contents
+                del self.hash_to_block[self.block_hash[b]]
+                self.block_hash[b] = self.block_tokens[b] = None
+            self.ref_counts[b] = 1
+            seq.block_table.append(b)
+        return True
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release the sequence's blocks. The tail goes first into the eviction order, so a shared
+        prefix (the head of the chain) outlives the request-specific tail."""
+        for b in reversed(seq.block_table):
+            self.ref_counts[b] -= 1
+            assert self.ref_counts[b] >= 0
+            if self.ref_counts[b] == 0:
+                if self.block_hash[b] is None:
+                    self.free[b] = None
+                    self.free.move_to_end(b, last=False)   # holds nothing reusable: hand it out first
+                else:
+                    self.free[b] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0

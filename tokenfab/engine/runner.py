@@ -1,0 +1,84 @@
+"""ModelRunner: turns a scheduled batch into tensors, runs the model once, returns logits.
+
+The flat batch puts decodes (one new token) first, then prefill chunks, so the attention backend
+handles all decodes in one batched call. Logits are computed only at each sequence's last scheduled
+position, and only for sequences whose chunk reaches the end of their known tokens (they sample).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenfab.engine.scheduler import ScheduledBatch
+from tokenfab.engine.sequence import Sequence
+from tokenfab.model.attention import AttentionMetadata, PrefillChunk
+
+
+@dataclass(slots=True)
+class StepInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling_seqs: list[Sequence]   # the sequences that get a new token, in logits row order
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str):
+        cfg = model.config
+        self.model, self.device, self.block_size = model, device, block_size
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = torch.zeros(shape, dtype=kv_dtype, device=device)
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
+
+    def prepare(self, batch: ScheduledBatch) -> StepInput:
+        bs = self.block_size
+        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)  # decodes first, stable
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logits_idx: list[int] = []
+        sampling: list[Sequence] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            start = seq.num_computed_tokens
+            end = start + n
+            table = seq.block_table
+            q0 = len(ids)
+            ids.extend(seq.token_ids[start:end])
+            pos.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1:
+                dec_tables.append(table[: -(-end // bs)])
+                dec_lens.append(end)
+            else:
+                prefills.append(PrefillChunk(q0, n, end, torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=self.device)))
+            if end == seq.num_tokens:
+                logits_idx.append(len(ids) - 1)
+                sampling.append(seq)
+        dev = self.device
+        dec_bt = dec_ln = None
+        max_ctx = 0
+        if dec_tables:
+            width = max(len(t) for t in dec_tables)
+            dec_bt = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.long, device=dev)
+            dec_ln = torch.tensor(dec_lens, dtype=torch.long, device=dev)
+            max_ctx = max(dec_lens)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode_tokens=len(dec_tables),
+            decode_block_tables=dec_bt,
+            decode_context_lens=dec_ln,
+            decode_max_context=max_ctx,
+            prefills=prefills,
+        )
+        return StepInput(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
+                         meta, torch.tensor(logits_idx, dtype=torch.long, device=dev), sampling)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor:
+        return self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_indices)

@@ -1,0 +1,136 @@
+"""The Llama-family decoder: Llama, SmolLM, Mistral, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm).
+
+It runs a flat batch: `input_ids` and `positions` concatenated over all sequences of a step, with the
+attention layout in an `AttentionMetadata` passed in by the runner. Projections are plain `nn.Linear`
+modules (Q/K/V fused into `qkv_proj`, gate/up into `gate_up_proj`: fewer, larger matmuls per step),
+so tokenfab.quant can swap them for quantized ones by name.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenfab.model.attention import AttentionMetadata, TorchPagedAttention
+from tokenfab.model.config import ModelConfig
+from tokenfab.model.layers import RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, block_size: int):
+        super().__init__()
+        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.h * self.d, self.kvh * self.d
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.attn = TorchPagedAttention(self.h, self.kvh, self.d, block_size)
+
+    def forward(self, x, positions, rope: RotaryEmbedding, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = q.view(T, self.h, self.d), k.view(T, self.kvh, self.d), v.view(T, self.kvh, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        o = self.attn(q, k, v, kv[0], kv[1], meta)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, block_size: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, block_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rope, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, block_size: int, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, block_size) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
+        self.requires_grad_(False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Returns float32 logits for the tokens at `logits_indices` only (one per sampled sequence)."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rope, kv, meta)
+        x = self.norm(x[logits_indices])
+        return self.lm_head(x).float()
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        """Copy HF-named weights in, fusing q/k/v and gate/up. Missing or misshapen tensors are errors."""
+        cfg = self.config
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"weight {name} is missing from the checkpoint")
+            used.add(name)
+            return weights[name]
+
+        def put(module: nn.Module, value: torch.Tensor, name: str, attr: str = "weight") -> None:
+            # The model may have been built on the meta device: replace the parameter, don't copy into it.
+            want = tuple(getattr(module, attr).shape)
+            if tuple(value.shape) != want:
+                raise ValueError(f"weight {name} has shape {tuple(value.shape)}, expected {want}")
+            setattr(module, attr, nn.Parameter(value.to(dtype).contiguous(), requires_grad=False))
+
+        put(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        put(self.norm, take("model.norm.weight"), "model.norm.weight")
+        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head.weight = self.embed_tokens.weight
+        else:
+            put(self.lm_head, take("lm_head.weight"), "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = layer.self_attn
+            put(a.qkv_proj, torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), p + "qkv_proj")
+            if cfg.qkv_bias:
+                put(a.qkv_proj, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]), p + "qkv bias", "bias")
+            put(a.o_proj, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            if cfg.qk_norm:
+                put(a.q_norm, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
+                put(a.k_norm, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            put(layer.mlp.gate_up_proj, gate_up, p + "mlp.gate_up_proj")
+            put(layer.mlp.down_proj, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            put(layer.input_layernorm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+            put(layer.post_attention_layernorm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
+
+
+def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
+                block_size: int, max_positions: int) -> LlamaModel:
+    """Build on the meta device (no wasted random init), then move the real weights in."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg, block_size, max_positions=1)
+    model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
+    model.load_hf_weights(weights, dtype)
+    return model.to(device)

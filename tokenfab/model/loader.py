@@ -1,0 +1,188 @@
+"""Load a model: a GGUF file or an HF folder (config.json + *.safetensors + tokenizer.json).
+
+Returns a `ModelConfig`, float weights keyed by HF names (`model.layers.0.self_attn.q_proj.weight` ...)
+and the tokenizer. Quantized GGUF tensors (Q4_0/Q4_1/Q8_0/...) are dequantized here; running them
+natively is tokenfab.quant's job. Every failure is one line naming the file and the problem.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenfab.model.bundled import resolve_model_path
+from tokenfab.model.config import SUPPORTED_ARCHS, ModelConfig
+from tokenfab.model.tokenizer import load_tokenizer
+
+
+class ModelLoadError(ValueError):
+    """The model file or folder cannot be used; the message names it and says why."""
+
+
+@dataclass
+class LoadedModel:
+    path: str
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]   # HF names, float32 tensors
+    tokenizer: object
+    file_dtypes: dict[str, int]        # tensor type name -> count, as stored in the file (for `info`)
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def gguf_name_to_hf(name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    base, _, suffix = name.rpartition(".")
+    if base.startswith("blk."):
+        _, idx, part = base.split(".", 2)
+        if part not in _GGUF_LAYER_NAMES:
+            raise KeyError(name)
+        return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[part]}.{suffix}"
+    if base not in _GGUF_TOP_NAMES:
+        raise KeyError(name)
+    return f"{_GGUF_TOP_NAMES[base]}.{suffix}"
+
+
+def _unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's converter, which interleaves the two RoPE halves of each Q/K head's rows."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def open_gguf(path: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError/IndexError/struct errors on damaged files
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def gguf_config(reader, path: str) -> ModelConfig:
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        if f is None:
+            return default
+        v = f.contents()
+        return v
+
+    arch = field("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+    try:
+        heads = int(field(f"{arch}.attention.head_count"))
+        hidden = int(field(f"{arch}.embedding_length"))
+        names = {t.name for t in reader.tensors}
+        vocab = field(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+        head_dim = field(f"{arch}.attention.key_length") or field(f"{arch}.rope.dimension_count") or hidden // heads
+        eos = field("tokenizer.ggml.eos_token_id")
+        return ModelConfig(
+            arch=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(field(f"{arch}.feed_forward_length")),
+            num_layers=int(field(f"{arch}.block_count")),
+            num_heads=heads,
+            num_kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
+            head_dim=int(head_dim),
+            rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+            rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=int(field(f"{arch}.context_length", 2048)),
+            tie_word_embeddings="output.weight" not in names,
+            qkv_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            bos_token_id=field("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=[] if eos is None else [int(eos)],
+            name=str(field("general.name", "")),
+        )
+    except (TypeError, KeyError) as e:
+        raise ModelLoadError(f"{path}: GGUF metadata is missing a required field ({e})") from None
+
+
+def load_gguf_weights(reader, cfg: ModelConfig, path: str) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    import gguf
+
+    weights: dict[str, torch.Tensor] = {}
+    types: dict[str, int] = {}
+    for t in reader.tensors:
+        try:
+            hf = gguf_name_to_hf(t.name)
+        except KeyError:
+            continue  # e.g. rope_freqs: derived from the config instead
+        qtype = t.tensor_type
+        types[qtype.name] = types.get(qtype.name, 0) + 1
+        try:
+            arr = gguf.quants.dequantize(t.data, qtype)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: tensor {t.name} of type {qtype.name} cannot be read ({e})") from None
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+        if cfg.arch in ("llama", "mistral"):
+            if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
+                w = _unpermute_rope_rows(w, cfg.num_heads)
+            elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
+                w = _unpermute_rope_rows(w, cfg.num_kv_heads)
+        weights[hf] = w
+    return weights, types
+
+
+def load_hf_folder(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, int]]:
+    from safetensors.torch import load_file
+
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelLoadError(f"{path}: no config.json (an HF model folder needs config.json and *.safetensors)")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from None
+    try:
+        cfg = ModelConfig.from_hf(raw)
+    except KeyError as e:
+        raise ModelLoadError(f"{cfg_path}: missing field {e}") from None
+    except ValueError as e:
+        raise ModelLoadError(f"{cfg_path}: {e}") from None
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weight files")
+    weights: dict[str, torch.Tensor] = {}
+    types: dict[str, int] = {}
+    for fn in files:
+        try:
+            part = load_file(fn)
+        except Exception as e:  # safetensors raises its own error types for damaged headers
+            raise ModelLoadError(f"{fn}: cannot read safetensors ({e})") from None
+        for k, v in part.items():
+            types[str(v.dtype).removeprefix("torch.")] = types.get(str(v.dtype).removeprefix("torch."), 0) + 1
+            weights[k] = v.float() if v.is_floating_point() else v
+    return cfg, weights, types
+
+
+def load_model_files(model: str | None) -> LoadedModel:
+    """Resolve `model` (None: the bundled GGUF), read config, weights and tokenizer."""
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        cfg, weights, types = load_hf_folder(path)
+    else:
+        reader = open_gguf(path)
+        cfg = gguf_config(reader, path)
+        weights, types = load_gguf_weights(reader, cfg, path)
+    try:
+        tok = load_tokenizer(path)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+    if not cfg.eos_token_ids and tok.eos_token_id is not None:
+        cfg.eos_token_ids = [tok.eos_token_id]
+    return LoadedModel(path=path, config=cfg, weights=weights, tokenizer=tok, file_dtypes=types)
