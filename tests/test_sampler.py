@@ -135,9 +135,9 @@ def test_truncation_never_emits_tokens_outside_the_allowed_set(temperature, top_
 
 
 @pytest.mark.parametrize("heavy,top_p,min_size", [(500, 0.5, 300), (100, 0.9, 30000)])
-def test_top_p_nucleus_larger_than_the_candidate_window_is_exact(heavy, top_p, min_size):
-    # A big vocabulary whose nucleus holds hundreds or tens of thousands of tokens, far beyond the
-    # sampler's first candidate windows: it must widen them and still respect top_p exactly.
+def test_top_p_with_a_wide_nucleus_is_exact(heavy, top_p, min_size):
+    # A big vocabulary whose nucleus holds hundreds or tens of thousands of tokens: top_p must still
+    # be respected exactly, and tokens far down the order must be reachable.
     vocab = 49152
     logits = -1e-5 * torch.arange(vocab, dtype=torch.float32)[None, :]  # distinct values: a definite order
     logits[0, :heavy] += 5.0
@@ -146,13 +146,13 @@ def test_top_p_nucleus_larger_than_the_candidate_window_is_exact(heavy, top_p, m
     torch.manual_seed(1)
     out = Sampler([EOS], vocab)(logits.expand(64, vocab).clone(), [row(SamplingParams(top_p=top_p)) for _ in range(64)])
     assert {t.token_id for t in out} <= allowed
-    assert sum(t.token_id >= 64 for t in out) > 32  # tokens beyond the first window are reachable
+    assert sum(t.token_id >= 64 for t in out) > 32  # not only the first few tokens
 
 
 def test_top_p_over_a_large_vocab_normalises_by_the_whole_distribution():
     # 4 heavy tokens (0.5, 0.3, 0.12, 0.03) and a 5% tail spread over 4092 tokens. With top_p=0.82
-    # the nucleus is {0, 1, 2}: the mass before token 2 is 0.80. Normalising by only the best
-    # candidates' mass instead of the whole vocabulary would wrongly drop token 2.
+    # the nucleus is {0, 1, 2}: the mass before token 2 is 0.80. Measuring the nucleus against only
+    # part of the distribution (e.g. the best candidates' mass) would wrongly drop token 2.
     vocab, n = 4096, 2000
     probs = torch.full((vocab,), 0.05 / (vocab - 4), dtype=torch.float64)
     probs[:4] = torch.tensor([0.5, 0.3, 0.12, 0.03], dtype=torch.float64)
@@ -177,15 +177,17 @@ def test_top_p_row_beside_a_top_k_row_is_renormalised_over_its_own_set():
 
 
 # ---------------------------------------------------------------------------------------------- frequencies
-@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=6)], ids=["t1", "t0.7-k6"])
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=6), dict(temperature=1.0, top_p=0.8),
+                                dict(temperature=1.5, top_k=12, top_p=0.7), dict(temperature=1.0, min_p=0.1)],
+                         ids=["t1", "t0.7-k6", "p0.8", "t1.5-k12-p0.7", "minp0.1"])
 def test_empirical_frequencies_match_the_softmax(kw):
     vocab, n = 20, 40000
     base = random_logits(1, vocab, seed=11, scale=1.0)[0]
     params = SamplingParams(**kw)
-    x = base / params.temperature
-    if params.top_k > 0:
-        x = x.masked_fill(x < x.topk(params.top_k).values[-1], float("-inf"))
-    expected = softmax_list(x)
+    allowed = _allowed(base, params.temperature, params.top_k, params.top_p, params.min_p)
+    probs = softmax_list(base / params.temperature)
+    mass = sum(probs[i] for i in allowed)
+    expected = [probs[i] / mass if i in allowed else 0.0 for i in range(vocab)]
     torch.manual_seed(3)
     out = Sampler([EOS], vocab)(base.expand(n, vocab).clone(), [row(params) for _ in range(n)])
     counts = torch.bincount(torch.tensor([t.token_id for t in out]), minlength=vocab).double() / n
