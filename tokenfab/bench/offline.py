@@ -48,28 +48,27 @@ def random_prompts(vocab_ids: list[int], n: int, length: int, rng: random.Random
     return [rng.choices(vocab_ids, k=length) for _ in range(n)]
 
 
-def prompt_vocab(model: str | None) -> list[int]:
-    """Ids of ordinary single-token words of the model's vocabulary (no special tokens)."""
-    from tokenfab.bench.tokens import load_counter
-    from tokenfab.model.bundled import resolve_model_path
-    counter = load_counter(resolve_model_path(model))
-    if not counter.exact:
-        raise ValueError(f"bench offline needs the model's tokenizer to build prompts: {counter.warning}")
-    tok = counter.tokenizer
-    return sorted({tok.convert_tokens_to_ids(tok.tokenize(w)[0]) for w in counter.words()[:4096]})
+def prompt_vocab(tokenizer) -> list[int]:
+    """Ids of ordinary single-token words (" river") of the model's vocabulary: no special tokens."""
+    from tokenfab.bench.tokens import TokenCounter
+    words = TokenCounter(tokenizer).words()[:4096]
+    ids = {tuple(tokenizer(w, add_special_tokens=False)["input_ids"]) for w in words}
+    return sorted(i[0] for i in ids if len(i) == 1)
 
 
 def measure_batch(llm, sampling_params: Callable[..., object], vocab_ids: list[int], batch: int, input_len: int,
                   output_len: int, rng: random.Random, clock: Callable[[], float] = time.perf_counter) -> OfflineRun:
     prefill_prompts = random_prompts(vocab_ids, batch, input_len, rng)
     t = clock()
-    outs = llm.generate(prefill_prompts, sampling_params(max_tokens=1, temperature=0.0, ignore_eos=True))
+    outs = llm.generate(prefill_prompts, sampling_params(max_tokens=1, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
     prefill_s = clock() - t
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
 
     full_prompts = random_prompts(vocab_ids, batch, input_len, rng)
     t = clock()
-    outs = llm.generate(full_prompts, sampling_params(max_tokens=output_len, temperature=0.0, ignore_eos=True))
+    outs = llm.generate(full_prompts, sampling_params(max_tokens=output_len, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
     total_s = clock() - t
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     full_prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
@@ -98,11 +97,11 @@ def run_offline(cfg: OfflineConfig, llm=None, sampling_params=None, vocab_ids: l
                   "max_num_batched_tokens": cfg.max_num_batched_tokens}
         llm = llm or LLM(model=cfg.model, **{k: v for k, v in kwargs.items() if v is not None})
         sampling_params = sampling_params or SamplingParams
-    vocab_ids = vocab_ids or prompt_vocab(cfg.model)
+    vocab_ids = vocab_ids or prompt_vocab(llm.get_tokenizer())
     rng = random.Random(cfg.seed)
     if cfg.warmup:  # first calls pay for lazy initialisation and allocator growth
         llm.generate(random_prompts(vocab_ids, 2, min(cfg.input_len, 16), rng),
-                     sampling_params(max_tokens=2, temperature=0.0, ignore_eos=True))
+                     sampling_params(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False)
     runs = []
     for b in cfg.batch_sizes:
         run = measure_batch(llm, sampling_params, vocab_ids, b, cfg.input_len, cfg.output_len, rng, clock)
