@@ -22,7 +22,6 @@ import torch
 from tokenfab.sampling import SamplingParams
 
 
-
 @dataclass(slots=True)
 class SampleRow:
     """One row of logits: one sequence's next token."""
@@ -34,6 +33,7 @@ class SampleRow:
 
 @dataclass(slots=True)
 class SampledToken:
+    """The token chosen for one row, with its logprobs when the row's params asked for them."""
     token_id: int
     logprob: float | None                      # of the chosen token under log_softmax(raw logits), when asked
     top_logprobs: dict[int, float] | None      # the params.logprobs most likely tokens -> logprob, when asked
@@ -110,12 +110,15 @@ class Sampler:
         vocab, dev = x.shape[1], x.device
         flat = x.view(-1)
         rep_rows = [i for i in pen if rows[i].params.repetition_penalty != 1.0]
-        out_keys = torch.tensor([i * vocab + t for i in pen for t in rows[i].output_token_ids], dtype=torch.long, device=dev)
+        # Token ids outside the logits (none for a consistent model and tokenizer) are skipped, not
+        # allowed to index into a neighbouring row.
+        out_keys = torch.tensor([i * vocab + t for i in pen for t in rows[i].output_token_ids if t < vocab],
+                                dtype=torch.long, device=dev)
         if rep_rows:
             # HF/vLLM repetition penalty, over prompt *and* output tokens: shrink positive logits by
             # dividing and push negative ones down by multiplying. A repeated key writes the same
             # value (all reads happen before the write), so each token is penalised once.
-            prompt_keys = torch.tensor([i * vocab + t for i in rep_rows for t in rows[i].prompt_token_ids],
+            prompt_keys = torch.tensor([i * vocab + t for i in rep_rows for t in rows[i].prompt_token_ids if t < vocab],
                                        dtype=torch.long, device=dev)
             keys = torch.cat([prompt_keys, out_keys])
             rep = torch.tensor([r.params.repetition_penalty for r in rows], dtype=x.dtype, device=dev)[keys // vocab]
