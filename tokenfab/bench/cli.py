@@ -100,6 +100,14 @@ def _offline_parser(subs) -> None:
     p.set_defaults(func=offline_command)
 
 
+def _stdout_console():
+    """Rich console for the result tables; piped output gets room for the wide tables."""
+    import sys
+
+    from rich.console import Console
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
 def serve_config(args):
     """ServeConfig from parsed arguments, validated (ValueError says what to change)."""
     import json
@@ -167,7 +175,7 @@ def serve_command(args) -> int:
     from tokenfab.bench.tokens import load_counter
 
     cfg = serve_config(args)
-    err, out = Console(stderr=True), Console()
+    err, out = Console(stderr=True), _stdout_console()
     counter = load_counter(cfg.tokenizer)
     if counter.warning:
         err.print(f"[yellow]warning:[/yellow] {counter.warning}")
@@ -211,7 +219,7 @@ def compare_command(args) -> int:
     labels = args.labels or default_labels(args.results)
     if len(labels) != len(results):
         raise ValueError(f"--labels has {len(labels)} names for {len(results)} files")
-    Console().print(compare_table(results, labels, args.run))
+    _stdout_console().print(compare_table(results, labels, args.run))
     if args.plot:
         from tokenfab.bench.plots import plot_compare
         runs = [(label, r["runs"][args.run]) for label, r in zip(labels, results) if r["schema"].endswith("serve")]
@@ -243,7 +251,7 @@ def offline_command(args) -> int:
         t.add_row(str(r["batch_size"]), num(r["prefill_tok_s"], 1), num(r["decode_tok_s"], 1),
                   num(r["decode_tok_s_per_seq"], 1), num(r["total_tok_s"], 1), num(r["prefill_s"], 3),
                   num(r["total_s"], 3))
-    Console().print(t)
+    _stdout_console().print(t)
     if args.out:
         write_result(args.out, result)
         err.print(f"wrote {args.out}")

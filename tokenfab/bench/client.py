@@ -129,8 +129,8 @@ def _absorb(res: RawResult, obj: dict, t: float, kind: str) -> None:
     usage_delta = None
     if usage and usage.get("completion_tokens") is not None:
         total = int(usage["completion_tokens"])
-        usage_delta = total - (res.completion_tokens or 0)
-        res.completion_tokens = total
+        usage_delta = max(total - (res.completion_tokens or 0), 0)
+        res.completion_tokens = max(total, res.completion_tokens or 0)
         if usage.get("prompt_tokens") is not None:
             res.prompt_tokens = int(usage["prompt_tokens"])
     if not choices:

@@ -119,9 +119,9 @@ def _shared_prefix(cfg, counter, n, seed):
 
 
 def _mixed(cfg, counter, n, seed):
-    n_long = round(cfg.long_fraction * n)
     if not 0.0 <= cfg.long_fraction <= 1.0:
         raise ValueError(f"long_fraction {cfg.long_fraction} must be between 0 and 1")
+    n_long = round(cfg.long_fraction * n)
     short = _random(cfg, counter, n - n_long, seed, tag="short")
     long_cfg = DatasetConfig(**{**_fields(cfg), "input_len": cfg.long_input_len})
     long = _random(long_cfg, counter, n_long, seed + 1, tag="long")

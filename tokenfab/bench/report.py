@@ -31,6 +31,7 @@ class LiveProgress:
         self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TextColumn("[red]{task.fields[failed]} failed"),
                                  TimeElapsedColumn(), console=console)
+        self._failed: dict = {}
 
     def __enter__(self):
         self.progress.start()
@@ -43,8 +44,8 @@ class LiveProgress:
         return self.progress.add_task(f"rate {fmt_rate(rate)} req/s", total=total, failed=0)
 
     def advance(self, task, raw) -> None:
-        failed = self.progress.tasks[task].fields["failed"] + (raw.error is not None)
-        self.progress.update(task, advance=1, failed=failed)
+        self._failed[task] = self._failed.get(task, 0) + (raw.error is not None)
+        self.progress.update(task, advance=1, failed=self._failed[task])
 
 
 def run_tables(run: dict, percentiles: list[float], slos: dict) -> list[Table]:
@@ -98,7 +99,7 @@ def run_tables(run: dict, percentiles: list[float], slos: dict) -> list[Table]:
 def bucket_table(buckets: list[dict], percentiles: list[float]) -> Table:
     ps = sorted({min(percentiles), max(percentiles)})
     t = Table(title="Per prompt-length bucket (ms)", title_justify="left")
-    t.add_column("Prompt tokens", style="bold")
+    t.add_column("Prompt tokens", style="bold", no_wrap=True)
     t.add_column("Requests", justify="right")
     t.add_column("Failed", justify="right")
     for m in ("ttft", "tpot", "e2el"):
