@@ -96,3 +96,25 @@ def test_offline_on_the_bundled_model_counts_every_token():
     run = result["runs"][0]
     assert run["prompt_tokens"] == 2 * 16 and run["output_tokens"] == 2 * 4
     assert run["prefill_tok_s"] > 0 and run["decode_tok_s"] > 0
+
+
+def test_offline_command_prints_a_table_and_writes_json(monkeypatch, tmp_path, capsys, bundled_tokenizer):
+    import tokenfab
+    from tokenfab.cli import main
+
+    class CommandLLM(ScriptedLLM):
+        def __init__(self, model=None, **engine_kwargs):
+            super().__init__(Clock())
+            self.engine_kwargs = engine_kwargs
+
+        def get_tokenizer(self):
+            return bundled_tokenizer
+
+    monkeypatch.setattr(tokenfab, "LLM", CommandLLM, raising=False)
+    out = tmp_path / "off.json"
+    assert main(["bench", "offline", "--batch-sizes", "1,2", "--input-len", "8", "--output-len", "3",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["batch_size"] for r in result["runs"]] == [1, 2]
+    assert all(r["prompt_tokens"] == 8 * r["batch_size"] for r in result["runs"])
+    assert "Decode tok/s" in capsys.readouterr().out
