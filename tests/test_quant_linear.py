@@ -88,6 +88,10 @@ def test_auto_kernel_picks_packed_for_few_tokens_and_dequant_for_many():
     assert kernels.use_packed("int4", "auto", small, mod.packed_supported())
     assert not kernels.use_packed("int4", "auto", big, mod.packed_supported())
     assert not kernels.use_packed("int4", "dequant", small, True)
+    # a large matrix (the LM head) stays packed further: expanding it costs more than the GEMM
+    mid = torch.zeros(kernels.PACKED_MAX_TOKENS["q8_0"] + 1, 96)
+    assert not kernels.use_packed("q8_0", "auto", mid, True, weight_numel=96 * 64)
+    assert kernels.use_packed("q8_0", "auto", mid, True, weight_numel=49152 * 576)
 
 
 def test_packed_kernel_refused_for_unsupported_shape():

@@ -10,8 +10,8 @@ Two paths compute the same thing:
   over the weight per call, which a GEMM over many tokens amortizes; it is also the path for CUDA and
   for shapes the packed kernels reject, and the exact reference in tests.
 
-`auto` takes the packed path up to `PACKED_MAX_TOKENS[kind]` tokens and dequant above. The numbers
-come from benchmarks/quant_kernels.py (table in docs/quant.md).
+`auto` takes the packed path up to `packed_max_tokens(kind, weight size)` tokens and dequant above.
+The numbers come from benchmarks/quant_kernels.py (table in docs/quant.md).
 """
 from __future__ import annotations
 
@@ -20,10 +20,17 @@ import torch.nn.functional as F
 
 KERNELS = ("auto", "packed", "dequant")
 
-# Largest token count (rows of x) at which the packed kernel still beat dequantize + F.linear,
-# per weight layout. Measured by benchmarks/quant_kernels.py on the 2-core AVX2 dev machine
-# (1 thread, weights streamed from memory); see docs/quant.md for the table.
-PACKED_MAX_TOKENS: dict[str, int] = {"int8": 8, "int4": 32, "q8_0": 32}
+# Largest token count (rows of x) at which the packed kernel still beat dequantize + F.linear, per
+# weight layout. Measured by benchmarks/quant_kernels.py on the 2-core AVX2 dev machine (1 thread,
+# weights streamed from memory; table in docs/quant.md):
+# - int4: packed won at 1, 8 and 32 tokens on every shape (dequant's nibble unpacking is costly);
+# - int8: packed won at 1 and 8 tokens, dequant at 32 on most shapes;
+# - q8_0: packed (two int4 halves) won at 1 token; dequant from 8 on, except on large matrices.
+PACKED_MAX_TOKENS: dict[str, int] = {"int8": 8, "int4": 32, "q8_0": 1}
+# Large matrices (the 49152x576 LM head) favoured packed at every measured count for all layouts:
+# expanding 28M weights per call costs more than the GEMM it feeds.
+LARGE_WEIGHT_NUMEL = 8 << 20
+LARGE_PACKED_MAX_TOKENS = 32
 
 
 def _has_op(name: str) -> bool:
@@ -42,7 +49,12 @@ def int4pack_supported(out_features: int, padded_in: int, group_size: int) -> bo
             and group_size in (32, 64, 128, 256) and padded_in % group_size == 0)
 
 
-def use_packed(kind: str, kernel: str, x: torch.Tensor, supported: bool) -> bool:
+def packed_max_tokens(kind: str, weight_numel: int) -> int:
+    limit = PACKED_MAX_TOKENS[kind]
+    return max(limit, LARGE_PACKED_MAX_TOKENS) if weight_numel >= LARGE_WEIGHT_NUMEL else limit
+
+
+def use_packed(kind: str, kernel: str, x: torch.Tensor, supported: bool, weight_numel: int = 0) -> bool:
     """Decide the path for one call; `kernel` is the module's setting (auto | packed | dequant)."""
     if kernel == "dequant":
         return False
@@ -51,7 +63,7 @@ def use_packed(kind: str, kernel: str, x: torch.Tensor, supported: bool) -> bool
             raise ValueError(f"kernel='packed' is not available for this {kind} layer on {x.device.type} "
                              "(packed kernels are CPU-only and shape-restricted); use 'auto' or 'dequant'")
         return True
-    return supported and x.device.type == "cpu" and x.shape[0] <= PACKED_MAX_TOKENS[kind]
+    return supported and x.device.type == "cpu" and x.shape[0] <= packed_max_tokens(kind, weight_numel)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

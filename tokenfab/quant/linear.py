@@ -56,7 +56,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = self._prepare_input(x.reshape(-1, self.in_features))
-        if kernels.use_packed(self.kind, self.kernel, x2, self.packed_supported()):
+        if kernels.use_packed(self.kind, self.kernel, x2, self.packed_supported(), self.in_features * self.out_features):
             y = self._packed_matmul(x2)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
