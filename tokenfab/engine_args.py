@@ -1,0 +1,96 @@
+"""Engine flags for every command that runs the engine (`serve`, `generate`, `chat`), in one place.
+
+Each flag is an `EngineConfig` field under vLLM's flag name (`--max-model-len`, `--max-num-seqs`, ...).
+A flag left out keeps the dataclass default, so `EngineConfig` stays the single source of defaults:
+
+    add_engine_args(parser)                   # adds MODEL (positional, optional) and the engine flags
+    config = engine_config_from_args(args)    # -> EngineConfig, validated
+
+Importing this module does not import torch (the CLI must register parsers cheaply).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import fields
+
+from tokenfab.config import EngineConfig
+
+QUANTIZATIONS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "gguf")
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '536870912', '512MiB', '2GB' or '1.5g' (decimal units for kB/MB/GB, binary for KiB/MiB/GiB)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use bytes or a unit, e.g. 512MiB or 2GB")
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be at least 1 byte")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return value
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
+    """Add MODEL and the engine flags. With positional_model=False the model is `--model` instead."""
+    d = EngineConfig()
+    if positional_model:
+        parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                            help="a .gguf file or an HF model folder (default: the bundled SmolLM2-135M-Instruct)")
+    else:
+        parser.add_argument("--model", default=None,
+                            help="a .gguf file or an HF model folder (default: the bundled SmolLM2-135M-Instruct)")
+    g = parser.add_argument_group("engine")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help=f"compute dtype for float weights (default: {d.dtype})")
+    g.add_argument("--device", default=None, help=f"cpu or cuda (default: {d.device})")
+    g.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context length, "
+                        "capped by what the KV pool holds)")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=None,
+                   help=f"sequences per step (default: {d.max_num_seqs})")
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help=f"token budget per step, prefill chunks + decodes (default: {d.max_num_batched_tokens})")
+    g.add_argument("--block-size", type=_positive_int, default=None,
+                   help=f"tokens per KV block (default: {d.block_size})")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"reuse KV blocks of shared prompt prefixes (default: {'on' if d.enable_prefix_caching else 'off'})")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"split long prefills across steps (default: {'on' if d.enable_chunked_prefill else 'off'})")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="memory for the KV pool, e.g. 512MiB or 2GB (default: a safe share of free memory)")
+    g.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+                   help="exact KV pool size in blocks (overrides --kv-cache-memory)")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default=None,
+                   help=f"KV cache element type; auto follows --dtype (default: {d.kv_cache_dtype})")
+    g.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
+                   help="quantize weights at load time (default: none; GGUF files keep their own blocks)")
+    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
+                   help=f"fcfs, or priority (lower `priority` values run first) (default: {d.scheduling_policy})")
+    g.add_argument("--seed", type=int, default=None, help=f"engine seed (default: {d.seed})")
+    g.add_argument("--num-threads", type=_positive_int, default=None,
+                   help="torch intra-op threads (default: torch's choice)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the flags describe; flags left out keep the dataclass defaults.
+
+    Raises ValueError (printed as one line by the CLI) when the combination is invalid.
+    """
+    given = {f.name: getattr(args, f.name) for f in fields(EngineConfig)
+             if getattr(args, f.name, None) is not None}
+    config = EngineConfig.from_kwargs(**given)
+    config.validate()
+    return config

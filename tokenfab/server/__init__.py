@@ -1,0 +1,6 @@
+"""The OpenAI-compatible HTTP server (`tokenfab serve`): FastAPI routes over the AsyncEngine.
+
+app.py builds the app; completions.py and chat.py are the generation routes; protocol.py the request
+schemas; errors.py the OpenAI error shape; middleware.py auth, body limit and access log; metrics.py
+/metrics; launch.py runs it under uvicorn; cli.py is the command. See docs/serving.md.
+"""

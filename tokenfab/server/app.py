@@ -1,0 +1,132 @@
+"""The FastAPI app: routes, error handlers, middlewares, and the engine's life cycle.
+
+    app = build_app(LLMEngine(EngineConfig()), ServerConfig())   # then run it with uvicorn
+
+The generation routes live in completions.py and chat.py; the small ones are here. The AsyncEngine's
+worker thread starts with the app (lifespan) and stops after uvicorn has drained the connections.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import tokenfab
+from tokenfab.engine.async_engine import AsyncEngine
+from tokenfab.server import chat, completions
+from tokenfab.server.config import ServerConfig
+from tokenfab.server.errors import APIError, install_error_handlers
+from tokenfab.server.metrics import CONTENT_TYPE, ServerMetrics
+from tokenfab.server.middleware import AccessLog, APIKeyAuth, BodySizeLimit
+from tokenfab.server.protocol import DetokenizeRequest, TokenizeRequest
+from tokenfab.server.state import ServerState
+
+log = logging.getLogger("tokenfab.server")
+
+
+def default_model_name(engine) -> str:
+    """The bundled model's name, or the file/folder name without a .gguf suffix."""
+    from tokenfab.model.bundled import BUNDLED_NAME, bundled_model_path
+    path = getattr(engine, "model_path", None)
+    with contextlib.suppress(FileNotFoundError):
+        if path is None or os.path.realpath(path) == os.path.realpath(bundled_model_path()):
+            return BUNDLED_NAME
+    name = os.path.basename(os.path.normpath(path))
+    return name[:-5] if name.endswith(".gguf") else name
+
+
+def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
+    """An app serving `engine` (an LLMEngine, or an AsyncEngine around one)."""
+    config = config or ServerConfig()
+    config.validate()
+    async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
+    async_engine.max_waiting_requests = config.max_waiting_requests
+    names = list(config.served_model_names) or [default_model_name(async_engine.engine)]
+    metrics = ServerMetrics(async_engine, names[0])
+    async_engine.listener = metrics
+    state = ServerState(async_engine, config, names, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            state.draining = True
+            await async_engine.stop()
+
+    app = FastAPI(title="tokenfab", version=tokenfab.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tokenfab = state
+    install_error_handlers(app)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+    _add_small_routes(app, state)
+
+    # add_middleware wraps outside-in in reverse order of the calls: the last added runs first.
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    if config.api_keys:
+        app.add_middleware(APIKeyAuth, api_keys=config.api_keys)
+    if config.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(AccessLog, enabled=config.access_log)
+    return app
+
+
+def _add_small_routes(app: FastAPI, st: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if st.async_engine.dead_reason is not None or not st.async_engine.is_alive:
+            reason = st.async_engine.dead_reason or "the engine loop is not running"
+            return APIError(503, f"unhealthy: {reason}", code="engine_dead").response()
+        if st.draining:
+            return APIError(503, "shutting down", code="shutting_down").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": tokenfab.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": st.created, "owned_by": "tokenfab",
+             "root": getattr(st.engine, "model_path", None), "max_model_len": st.max_model_len}
+            for name in st.model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        st.check_model(model_id)
+        return {"id": model_id, "object": "model", "created": st.created, "owned_by": "tokenfab",
+                "max_model_len": st.max_model_len}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(st.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        req: TokenizeRequest = await st.parse(request, TokenizeRequest)
+        st.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            ids = chat.conversation_ids(st, req.messages, req.add_generation_prompt)
+        else:
+            ids = list(st.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
+        return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        req: DetokenizeRequest = await st.parse(request, DetokenizeRequest)
+        st.check_model(req.model)
+        vocab = st.engine.model_config.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is not in [0, {vocab})", param="tokens")
+        return {"prompt": st.tokenizer.decode(req.tokens)}

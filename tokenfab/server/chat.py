@@ -1,0 +1,120 @@
+"""POST /v1/chat/completions: messages through the model's chat template, streamed or not.
+
+`max_completion_tokens` (or the older `max_tokens`) bounds the reply; unset, it may run to
+max_model_len. `logprobs: true` with `top_logprobs: k` gives OpenAI's chat logprobs format.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenfab.engine.async_engine import EngineDeadError, RequestFailed
+from tokenfab.llm import chat_token_ids
+from tokenfab.server.errors import APIError, error_body
+from tokenfab.server.logprobs import chat_logprobs
+from tokenfab.server.protocol import ChatCompletionRequest
+from tokenfab.server.state import ClientGone, ServerState, usage
+from tokenfab.server.streaming import DONE, ChoiceDelta, sse, sse_response
+
+router = APIRouter()
+
+
+def conversation_ids(st: ServerState, messages, add_generation_prompt: bool = True) -> list[int]:
+    try:
+        ids = chat_token_ids(st.tokenizer, [m.as_template_input() for m in messages], add_generation_prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+    except Exception as e:                  # a template that fails on this input (jinja raise_exception)
+        raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
+    if not ids:
+        raise APIError(400, "the chat template produced an empty prompt", param="messages")
+    return ids
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    arrival = time.monotonic()
+    st: ServerState = request.app.state.tokenfab
+    req: ChatCompletionRequest = await st.parse(request, ChatCompletionRequest)
+    st.check_model(req.model)
+    st.check_supported(req)
+    st.check_priority(req.priority)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    ids = conversation_ids(st, req.messages, req.add_generation_prompt)
+    max_tokens, max_param = req.requested_max_tokens
+    st.check_length(len(ids), max_tokens, "messages", max_param)
+    top_n = (req.top_logprobs or 0) if req.logprobs else None
+    params = st.sampling_params({**req.sampling_kwargs(), "max_tokens": max_tokens, "logprobs": top_n},
+                                renames={"max_tokens": max_param, "logprobs": "top_logprobs"})
+
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    access = request.state.access = {"id": rid, "prompt_tokens": len(ids), "output_tokens": 0}
+    (stream,) = await st.start(rid, [ids], params, req.priority, arrival)
+    if req.stream:
+        return sse_response(_stream(st, req, rid, stream, top_n, params.n, access, arrival), rid)
+
+    try:
+        (final,) = await st.collect(request, [stream])
+    except ClientGone:
+        access["outcome"] = "client_disconnected"
+        return Response(status_code=499)
+    choices = []
+    for o in final.outputs:
+        lps = chat_logprobs(st.token_text, o.token_ids, o.logprobs or [], top_n) if top_n is not None else None
+        choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text},
+                        "logprobs": lps, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+    completion_tokens = sum(len(o.token_ids) for o in final.outputs)
+    m = final.metrics
+    access.update(output_tokens=completion_tokens,
+                  ttft_s=m.first_token_time - arrival if m and m.first_token_time else None)
+    body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": st.model_name,
+            "choices": choices, "usage": usage(len(ids), completion_tokens)}
+    return JSONResponse(body, headers={"X-Request-Id": rid})
+
+
+async def _stream(st: ServerState, req: ChatCompletionRequest, rid: str, stream, top_n: int | None, n: int,
+                  access: dict, arrival: float):
+    created = int(time.time())
+    prompt_tokens = access["prompt_tokens"]
+    deltas = [ChoiceDelta() for _ in range(n)]
+
+    def chunk(choices: list[dict], completion_tokens: int | None = None) -> dict:
+        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
+                "choices": choices}
+        if completion_tokens is not None:
+            body["usage"] = usage(prompt_tokens, completion_tokens)
+        return body
+
+    try:
+        # The role first, as OpenAI does; the only chunk whose content is empty.
+        yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(n)], 0 if req.continuous_usage else None))
+        async for out in stream:
+            for o in out.outputs:
+                delta = deltas[o.index].advance(o)
+                if delta is None:
+                    continue
+                lps = chat_logprobs(st.token_text, delta.token_ids, delta.logprobs, top_n) \
+                    if top_n is not None else None
+                if access.get("ttft_s") is None and delta.text:
+                    access["ttft_s"] = time.monotonic() - arrival
+                access["output_tokens"] = sum(d.token_count for d in deltas)
+                yield sse(chunk([{"index": o.index, "delta": {"content": delta.text} if delta.text else {},
+                                  "logprobs": lps, "finish_reason": delta.finish_reason,
+                                  "stop_reason": delta.stop_reason}],
+                                access["output_tokens"] if req.continuous_usage else None))
+        if req.include_usage:
+            yield sse(chunk([], access["output_tokens"]))
+        yield DONE
+    except (RequestFailed, EngineDeadError) as e:
+        access["outcome"] = "engine_error"
+        yield sse(error_body(str(e), "internal_error", code="engine_error"))
+        yield DONE
+    finally:
+        if not stream.finished and "outcome" not in access:
+            access["outcome"] = "client_disconnected"
+        stream.abort()

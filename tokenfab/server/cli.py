@@ -1,0 +1,97 @@
+"""`tokenfab serve [MODEL]`: the OpenAI-compatible HTTP server.
+
+Registering the parser imports neither torch nor FastAPI; the handler does, once it runs.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from tokenfab.engine_args import add_engine_args, parse_size
+
+API_KEY_ENV = "TOKENFAB_API_KEY"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /metrics, ...). With no MODEL, the bundled SmolLM2-135M-Instruct.")
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; 0.0.0.0 exposes the server to the network (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* and /tokenize (repeat for several keys; "
+                        f"also read from ${API_KEY_ENV})")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) clients may ask for (default: the model file's name)")
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="sequences allowed to wait for a slot; beyond it requests get 429 (default: 1024)")
+    g.add_argument("--max-body-bytes", type=parse_size, default=16 << 20,
+                   help="largest request body accepted, e.g. 16MiB; larger ones get 413 (default: 16MiB)")
+    g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="enable CORS for these browser origins (default: no CORS)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds to let in-flight requests finish after SIGTERM (default: 30)")
+    g.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="do not log one line per request")
+    g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="log level (default: info)")
+    p.set_defaults(func=serve_command)
+
+
+def server_config_from_args(args: argparse.Namespace):
+    from tokenfab.server.config import ServerConfig
+    keys = list(args.api_key or [])
+    if not keys and os.environ.get(API_KEY_ENV):
+        keys = [os.environ[API_KEY_ENV]]
+    config = ServerConfig(host=args.host, port=args.port, api_keys=keys,
+                          served_model_names=list(args.served_model_name or []),
+                          max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
+                          allowed_origins=list(args.allowed_origins or []), shutdown_timeout=args.shutdown_timeout,
+                          access_log=args.access_log)
+    config.validate()
+    return config
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from tokenfab.engine_args import engine_config_from_args
+    engine_config = engine_config_from_args(args)
+    server_config = server_config_from_args(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    log = logging.getLogger("tokenfab.server")
+    if server_config.host not in ("127.0.0.1", "localhost", "::1") and not server_config.api_keys:
+        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
+                    server_config.host)
+
+    from tokenfab.server.launch import bind_socket, curl_example, make_server
+    sock = bind_socket(server_config.host, server_config.port)   # fail fast, before the model loads
+    engine = _load_engine(engine_config)
+
+    from tokenfab.server.app import build_app
+    app = build_app(engine, server_config)
+    state = app.state.tokenfab
+
+    def ready(url: str) -> None:
+        env = API_KEY_ENV if server_config.api_keys else None
+        print(f"\ntokenfab is serving {state.model_name} at {url} (max_model_len {state.max_model_len}). "
+              f"Try:\n\n{curl_example(url, state.model_name, env)}\n", flush=True)
+        if env and not os.environ.get(API_KEY_ENV):
+            print(f"(set {API_KEY_ENV} to your key first, or paste it in place of ${API_KEY_ENV})\n", flush=True)
+
+    make_server(app, server_config.shutdown_timeout, on_ready=ready).run(sockets=[sock])
+    return 0
+
+
+def _load_engine(config):
+    from tokenfab.engine.engine import LLMEngine
+    if not sys.stderr.isatty():
+        return LLMEngine(config)
+    from rich.console import Console
+    with Console(stderr=True).status(f"loading {config.model or 'the bundled SmolLM2-135M-Instruct'} ..."):
+        return LLMEngine(config)

@@ -1,0 +1,31 @@
+"""ServerConfig: the HTTP side's knobs (the engine's are in tokenfab.config.EngineConfig)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_BODY_BYTES = 16 << 20      # a 128k-token prompt as JSON token ids is about 1 MB
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"                  # loopback by default: exposing a server is a decision
+    port: int = 8000
+    api_keys: list[str] = field(default_factory=list)          # empty: no auth
+    served_model_names: list[str] = field(default_factory=list)  # empty: the model file's name
+    max_waiting_requests: int | None = 1024  # queued beyond the running batch; more get 429. None: no cap
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    allowed_origins: list[str] = field(default_factory=list)   # CORS; empty: no CORS headers at all
+    shutdown_timeout: float = 30.0           # seconds to drain in-flight requests after SIGTERM
+    access_log: bool = True
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if any(not k for k in self.api_keys):
+            raise ValueError("an API key must not be empty")

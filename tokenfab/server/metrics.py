@@ -1,0 +1,113 @@
+"""Prometheus metrics for `/metrics`: vLLM's names under the `tokenfab:` prefix (DESIGN.md §5).
+
+Two sources:
+- Gauges and engine counters (running/waiting, KV usage, prefix cache, preemptions, token totals,
+  speculative decoding) are read from the AsyncEngine's latest stats snapshot at scrape time by a
+  custom collector, so a scrape never waits for a step.
+- Latency histograms (TTFT, inter-token latency, end-to-end, queue time) and finished-request
+  counters are observed as requests progress: this class is the AsyncEngine's listener.
+
+Each app gets its own registry, so several servers can live in one process (tests do this).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tokenfab.outputs import RequestOutput
+
+PREFIX = "tokenfab:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Bucket edges in seconds, as vLLM's (so dashboards' quantile panels line up).
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+# (name, help, EngineStats attribute). Missing attributes read as 0 (e.g. no speculative decoding yet).
+_GAUGES = [
+    ("num_requests_running", "Sequences in the running batch.", "num_running"),
+    ("num_requests_waiting", "Sequences waiting to be scheduled.", "num_waiting"),
+    ("kv_cache_usage_perc", "Share of KV cache blocks in use (1 = full).", "kv_cache_usage"),
+]
+_COUNTERS = [
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+    ("prefix_cache_hits", "Prompt tokens served by the prefix cache.", "prefix_cache_hits"),
+    ("num_preemptions", "Sequences preempted (by recompute).", "num_preemptions"),
+    ("prompt_tokens", "Prompt tokens processed.", "prompt_tokens"),
+    ("generation_tokens", "Tokens generated.", "generation_tokens"),
+    ("spec_decode_num_drafts", "Speculative draft rounds.", "spec_decode_num_drafts"),
+    ("spec_decode_num_draft_tokens", "Speculative tokens proposed.", "spec_decode_num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Speculative tokens accepted.", "spec_decode_num_accepted_tokens"),
+]
+
+
+class _EngineCollector:
+    def __init__(self, async_engine, model_name: str) -> None:
+        self.async_engine = async_engine
+        self.model_name = model_name
+
+    def collect(self):
+        stats = self.async_engine.stats()
+        labels = (["model_name"], [self.model_name])
+        for name, doc, attr in _GAUGES:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels[0])
+            g.add_metric(labels[1], float(getattr(stats, attr, 0)))
+            yield g
+        for name, doc, attr in _COUNTERS:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels[0])
+            c.add_metric(labels[1], float(getattr(stats, attr, 0)))
+            yield c
+        g = GaugeMetricFamily(PREFIX + "engine_alive", "1 while the engine loop runs, 0 once it has died.",
+                              labels=labels[0])
+        g.add_metric(labels[1], 1.0 if self.async_engine.dead_reason is None else 0.0)
+        yield g
+
+
+class ServerMetrics:
+    """The registry behind /metrics, and the AsyncEngine listener that fills its histograms."""
+
+    def __init__(self, async_engine, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(async_engine, model_name))
+
+        def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Gap between successive tokens of a sequence.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to the last token, for finished requests.",
+                        LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self._success = Counter(PREFIX + "request_success", "Requests finished, by finish reason "
+                                "(stop, length, abort, error).", ["model_name", "finished_reason"],
+                                registry=self.registry)
+
+    # -- EngineListener ----------------------------------------------------------------------
+    def on_first_token(self, output: RequestOutput) -> None:
+        m = output.metrics
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+
+    def on_itl(self, gap_s: float, count: int) -> None:
+        for _ in range(count):
+            self.itl.observe(gap_s)
+
+    def on_finished(self, reason: str, output: RequestOutput | None) -> None:
+        self._success.labels(self.model_name, reason).inc()
+        m = output.metrics if output is not None else None
+        if reason in ("stop", "length") and m is not None and m.finished_time is not None:
+            self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+
+    # -- exposition --------------------------------------------------------------------------
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

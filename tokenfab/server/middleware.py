@@ -1,0 +1,139 @@
+"""Plain ASGI middlewares: access log, API-key check, body-size limit.
+
+Plain ASGI rather than Starlette's BaseHTTPMiddleware, which buffers and wraps streaming responses
+and can hide a client's disconnect from the SSE generator (the disconnect must abort the request).
+Order, outside in: AccessLog -> APIKeyAuth -> BodySizeLimit -> the app.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+
+from tokenfab.server.errors import error_bytes
+
+access_log = logging.getLogger("tokenfab.access")
+
+# Paths anyone may call: probes and scrapers must work without the key.
+PUBLIC_PATHS = ("/health", "/metrics", "/version")
+
+
+async def send_error(send, status: int, message: str, code: str | None = None,
+                     headers: list[tuple[bytes, bytes]] = ()) -> None:
+    body = error_bytes(status, message, code=code)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class AccessLog:
+    """One line per request: client, method, path, status, id, prompt/output tokens, TTFT, total time.
+
+    Route handlers put their request's fields in ``request.state.access`` (a dict in scope["state"])."""
+
+    def __init__(self, app, enabled: bool = True) -> None:
+        self.app, self.enabled = app, enabled
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.enabled:
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        state = scope.setdefault("state", {})
+        status = [0]
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except BaseException:
+            status[0] = status[0] or 500
+            raise
+        finally:
+            self._log(scope, state.get("access") or {}, status[0], time.perf_counter() - t0)
+
+    @staticmethod
+    def _log(scope, fields: dict, status: int, total_s: float) -> None:
+        client = scope.get("client")
+        who = f"{client[0]}:{client[1]}" if client else "-"
+        parts = [f'{who} "{scope["method"]} {scope["path"]}" {status or 499}']
+        if "id" in fields:
+            parts.append(f"id={fields['id']}")
+        for key in ("prompt_tokens", "output_tokens"):
+            if key in fields:
+                parts.append(f"{key}={fields[key]}")
+        if fields.get("ttft_s") is not None:
+            parts.append(f"ttft_ms={fields['ttft_s'] * 1e3:.1f}")
+        parts.append(f"total_ms={total_s * 1e3:.1f}")
+        if fields.get("outcome"):
+            parts.append(str(fields["outcome"]))
+        access_log.info(" ".join(parts))
+
+
+class APIKeyAuth:
+    """`Authorization: Bearer KEY` on every path but PUBLIC_PATHS, compared in constant time."""
+
+    def __init__(self, app, api_keys: list[str]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in api_keys]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.keys or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if not header:
+            return await send_error(send, 401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                                    "missing_api_key", [(b"www-authenticate", b"Bearer")])
+        # Check every key without stopping early, so the timing does not say which one came close.
+        ok = False
+        for key in self.keys:
+            ok |= hmac.compare_digest(token.strip(), key)
+        if scheme.lower() != b"bearer" or not ok:
+            return await send_error(send, 401, "invalid API key", "invalid_api_key",
+                                    [(b"www-authenticate", b"Bearer")])
+        return await self.app(scope, receive, send)
+
+
+class BodySizeLimit:
+    """413 for bodies over `max_bytes`: at once from Content-Length, else while reading a chunked body.
+
+    The body is read here in full (handlers read it whole anyway) and replayed to the app."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        too_big = (f"request body is larger than the limit of {self.max_bytes} bytes "
+                   "(raise it with --max-body-bytes)")
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await send_error(send, 413, too_big, "request_too_large")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await send_error(send, 413, too_big, "request_too_large")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()          # after the body: wait for the client's disconnect
+
+        return await self.app(scope, replay, send)

@@ -1,0 +1,189 @@
+"""ServerState: what every route needs (engine, config, metrics) and the steps they share.
+
+A generation request goes: parse the body -> check the model -> prompt token ids -> length check ->
+SamplingParams -> `start` (queue in the AsyncEngine, with load shedding) -> stream or `collect`.
+Each step raises APIError with OpenAI's status and the field at fault; nothing is queued until
+every prompt of the request has passed.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from tokenfab.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailed, RequestStream
+from tokenfab.outputs import RequestOutput
+from tokenfab.sampling import SamplingParams
+from tokenfab.server.config import ServerConfig
+from tokenfab.server.errors import APIError, from_validation_errors
+from tokenfab.server.logprobs import TokenText
+from tokenfab.server.metrics import ServerMetrics
+
+log = logging.getLogger("tokenfab.server")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+@dataclass
+class ServerState:
+    async_engine: AsyncEngine
+    config: ServerConfig
+    model_names: list[str]
+    metrics: ServerMetrics
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    _warned_fields: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.engine = self.async_engine.engine   # read-only here: tokenizer, tokenize(), max_model_len
+        self.tokenizer = self.engine.tokenizer
+        self.token_text = TokenText(self.tokenizer)
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # -- request checks --------------------------------------------------------------------------
+    async def parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
+        raw = await request.body()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise APIError(400, f"the body is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})",
+                           code="invalid_encoding") from None
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                           code="invalid_json") from None
+        if not isinstance(obj, dict):
+            raise APIError(400, f"the body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
+        try:
+            parsed = model.model_validate(obj)
+        except ValidationError as e:
+            raise from_validation_errors(e.errors()) from None
+        extra = sorted(set(parsed.model_extra or ()) - self._warned_fields)
+        if extra:
+            self._warned_fields.update(extra)
+            log.warning("ignoring request field(s) this server does not use: %s", ", ".join(extra))
+        return parsed
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{', '.join(repr(m) for m in self.model_names)}", param="model",
+                           code="model_not_found")
+
+    def check_available(self) -> None:
+        if self.async_engine.dead_reason is not None:
+            raise APIError(503, f"the engine has stopped ({self.async_engine.dead_reason}); restart the server",
+                           code="engine_dead")
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+
+    def check_supported(self, req) -> None:
+        bad = req.unsupported()
+        if bad is not None:
+            raise APIError(400, bad[1], param=bad[0], code="unsupported")
+
+    def prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
+        try:
+            return self.engine.tokenize(prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
+
+    def check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str, max_param: str) -> None:
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise APIError(400, f"prompt has {num_prompt} tokens but max_model_len is {limit} (at least one "
+                                "token must be left to generate); shorten the prompt",
+                           param=prompt_param, code="context_length_exceeded")
+        if max_tokens is not None and max_tokens >= 1 and num_prompt + max_tokens > limit:
+            raise APIError(400, f"prompt has {num_prompt} tokens and {max_param} asks for {max_tokens} more, "
+                                f"but max_model_len is {limit}; set {max_param} to at most {limit - num_prompt}",
+                           param=max_param, code="context_length_exceeded")
+
+    def sampling_params(self, kwargs: dict, renames: dict[str, str] | None = None) -> SamplingParams:
+        """SamplingParams, with its validation errors as 400s naming the request's field."""
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            first = msg.split(" ", 1)[0].strip("(),")
+            param = first if first in SamplingParams.__dataclass_fields__ else None
+            if param and renames and param in renames:
+                msg = msg.replace(param, renames[param], 1)
+                param = renames[param]
+            raise APIError(400, msg, param=param) from None
+
+    def check_priority(self, priority: int) -> None:
+        policy = getattr(getattr(self.engine, "config", None), "scheduling_policy", "fcfs")
+        if priority != 0 and policy != "priority":
+            raise APIError(400, "priority needs the server started with --scheduling-policy priority",
+                           param="priority")
+
+    # -- running ---------------------------------------------------------------------------------
+    async def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                    priority: int, arrival_time: float) -> list[RequestStream]:
+        """Queue one engine request per prompt (ids `request_id` or `request_id-i`); all or none."""
+        self.check_available()
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.async_engine.add_request(rid, ids, params, priority, arrival_time))
+        except BaseException as e:
+            for s in streams:
+                s.abort()
+            if isinstance(e, QueueFullError):
+                raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e), code="engine_dead") from None
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e)) from None
+            if isinstance(e, RequestFailed):
+                raise APIError(500, str(e), code="engine_error") from None
+            raise
+        return streams
+
+    async def collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+        """Final outputs of every stream; a client that disconnects meanwhile aborts them all."""
+        results = asyncio.ensure_future(asyncio.gather(*(s.result() for s in streams)))
+        gone = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if results in done:
+                return results.result()
+            raise ClientGone()
+        except (RequestFailed, EngineDeadError) as e:
+            raise APIError(500 if isinstance(e, RequestFailed) else 503, str(e), code="engine_error") from None
+        finally:
+            gone.cancel()
+            if not results.done():
+                results.cancel()
+            for s in streams:
+                s.abort()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return when the client has gone (the body was read already, so only disconnects arrive)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
