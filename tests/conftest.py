@@ -19,9 +19,16 @@ def bundled_tokenizer(bundled_path):
 
 
 @pytest.fixture(scope="session")
-def bundled_llm():
+def bundled_files(bundled_path):
+    """The bundled model's config, weights and tokenizer, read once; pass as LLM(loaded=...)."""
+    from tokenfab.model.loader import load_model_files
+    return load_model_files(bundled_path)
+
+
+@pytest.fixture(scope="session")
+def bundled_llm(bundled_files):
     """The bundled model in float32, shared by tests that only generate (each must leave no request behind)."""
     from tokenfab import LLM
-    llm = LLM(max_model_len=2048, num_kv_blocks=1024)
+    llm = LLM(max_model_len=2048, num_kv_blocks=1024, loaded=bundled_files)
     yield llm
     assert llm.engine.block_manager.num_used_blocks() == 0

@@ -21,9 +21,10 @@ Message = dict[str, str]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_kwargs):
+    def __init__(self, model: str | None = None, *, loaded=None, **engine_kwargs):
+        """`engine_kwargs` are EngineConfig fields (vLLM's names). `loaded`: reuse files already read."""
         self.config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(self.config, loaded=loaded)
         self._ids = itertools.count()
 
     @property

@@ -19,7 +19,7 @@ from tokenfab.engine.sampler import Sampler, SampleRow
 from tokenfab.engine.scheduler import Scheduler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.model.llama import build_model
-from tokenfab.model.loader import load_model_files
+from tokenfab.model.loader import LoadedModel, load_model_files
 from tokenfab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenfab.sampling import SamplingParams
 
@@ -58,12 +58,13 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        """`loaded`: model files already read by `load_model_files` (tests and tools reuse one read)."""
         config.validate()
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        files = load_model_files(config.model)
+        files = loaded or load_model_files(config.model)
         self.model_path = files.path
         self.model_config = mcfg = files.config
         self.tokenizer = files.tokenizer
@@ -197,15 +198,15 @@ class LLMEngine:
             for tid, lp in (tok.top_logprobs or {}).items():
                 entry.setdefault(tid, Logprob(lp))
             seq.logprobs.append(entry)
-        p = seq.params
-        _, stop_str = seq.detokenizer.step([tok.token_id])
+        p, tid = seq.params, tok.token_id
         n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens and ((not p.ignore_eos and tid in self.eos_token_ids) or tid in p.stop_token_ids):
+            # The stopping token's own text stays out of the output, as in vLLM.
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED, tid if tid in p.stop_token_ids else None)
+            return
+        _, stop_str = seq.detokenizer.step([tid])
         if stop_str is not None:
             self._finish(seq, SequenceStatus.FINISHED_STOPPED, stop_str)
-        elif n_out >= p.min_tokens and not p.ignore_eos and tok.token_id in self.eos_token_ids:
-            self._finish(seq, SequenceStatus.FINISHED_STOPPED, None)
-        elif n_out >= p.min_tokens and tok.token_id in p.stop_token_ids:
-            self._finish(seq, SequenceStatus.FINISHED_STOPPED, tok.token_id)
         elif n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, SequenceStatus.FINISHED_LENGTH, None)
 

@@ -1,0 +1,155 @@
+"""`tokenfab generate`, `tokenfab chat` and `tokenfab info`: the engine from the terminal."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from tokenfab.engine_args import add_engine_args, engine_config_from_args
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default: {max_tokens})")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling_params(args):
+    from tokenfab.sampling import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def add_parser(subs) -> None:
+    g = subs.add_parser("generate", help="generate text for a prompt, streamed to the terminal")
+    g.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    add_engine_args(g, positional_model=False)
+    _add_sampling_args(g, 128)
+    g.set_defaults(func=cmd_generate)
+
+    c = subs.add_parser("chat", help="interactive chat with streaming output (empty line or Ctrl-D ends)")
+    c.add_argument("--system", default=None, help="a system message")
+    add_engine_args(c, positional_model=False)
+    _add_sampling_args(c, 512)
+    c.set_defaults(func=cmd_chat)
+
+    i = subs.add_parser("info", help="architecture, parameter count, dtypes and KV bytes per token of a model")
+    i.add_argument("model", nargs="?", default=None, help="a .gguf file or HF folder (default: the bundled model)")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_info)
+
+
+def _stream(engine, prompt, params, out=sys.stdout) -> tuple[str, int, float]:
+    """Run one request, printing text as it comes. Returns (text, output tokens, seconds)."""
+    rid = f"cli-{time.monotonic_ns()}"
+    engine.add_request(rid, prompt, params)
+    shown, text, ntok = 0, "", 0
+    t0 = time.perf_counter()
+    try:
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                text = o.outputs[0].text
+                ntok = len(o.outputs[0].token_ids)
+                out.write(text[shown:])
+                out.flush()
+                shown = len(text)
+    except KeyboardInterrupt:
+        engine.abort_request(rid)
+        raise
+    return text, ntok, time.perf_counter() - t0
+
+
+def _engine(args):
+    from tokenfab.engine.engine import LLMEngine
+    return LLMEngine(engine_config_from_args(args))
+
+
+def cmd_generate(args) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = _sampling_params(args)
+    engine = _engine(args)
+    if args.chat:
+        from tokenfab.llm import chat_token_ids
+        prompt = chat_token_ids(engine.tokenizer, [{"role": "user", "content": prompt}])
+    _, ntok, secs = _stream(engine, prompt, params)
+    print(f"\n[{ntok} tokens in {secs:.2f} s, {ntok / max(secs, 1e-9):.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from tokenfab.llm import chat_token_ids
+    params = _sampling_params(args)
+    engine = _engine(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("tokenfab chat: type a message; an empty line or Ctrl-D ends.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            return 0
+        history.append({"role": "user", "content": line})
+        try:
+            ids = chat_token_ids(engine.tokenizer, history)
+            reply, _, _ = _stream(engine, ids, params)
+        except ValueError as e:          # e.g. the conversation outgrew max_model_len
+            print(f"error: {e}", file=sys.stderr)
+            history.pop()
+            continue
+        print()
+        history.append({"role": "assistant", "content": reply})
+
+
+def cmd_info(args) -> int:
+    import json
+
+    from tokenfab.model.loader import load_model_files
+    files = load_model_files(args.model)
+    cfg = files.config
+    fp32 = cfg.kv_bytes_per_token(4)
+    info = {
+        "path": files.path, "name": cfg.name, "architecture": cfg.arch, "parameters": cfg.num_params(),
+        "layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+        "context_length": cfg.max_position_embeddings, "rope_theta": cfg.rope_theta,
+        "tied_embeddings": cfg.tie_word_embeddings, "file_tensor_types": files.file_dtypes,
+        "kv_bytes_per_token": {"float32": fp32, "bfloat16": cfg.kv_bytes_per_token(2),
+                               "int8": kv_int8_bytes_per_token(cfg)},
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"{cfg.name or cfg.arch} ({files.path})", show_header=False)
+    for k, v in info.items():
+        if k == "path":
+            continue
+        if k == "parameters":
+            v = f"{v:,} ({v / 1e6:.1f} M)"
+        elif k == "kv_bytes_per_token":
+            v = ", ".join(f"{d}: {b:,} B" for d, b in v.items())
+        elif k == "file_tensor_types":
+            v = ", ".join(f"{d} x{n}" for d, n in v.items())
+        t.add_row(k.replace("_", " "), str(v))
+    Console().print(t)
+    return 0
+
+
+def kv_int8_bytes_per_token(cfg) -> int:
+    """int8 K/V plus one float32 scale per token and head, for K and V, in every layer."""
+    return cfg.kv_bytes_per_token(1) + 2 * cfg.num_layers * cfg.num_kv_heads * 4
