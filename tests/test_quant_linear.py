@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from tokenfab.quant import kernels
 from tokenfab.quant.schemes import dequantize_int4
 from tokenfab.quant.linear import (Int4Linear, Int8Linear, Q4_0Linear, Q4_1Linear, Q8_0Linear, QuantLinear,
-                                   empty_from_config, set_kernel)
+                                   empty_from_config, gguf_linear, set_kernel)
 
 gguf = pytest.importorskip("gguf")
 
@@ -186,3 +186,12 @@ def test_gguf_layer_rejects_data_of_the_wrong_size(gguf_tensors):
     t = gguf_tensors["blk.0.attn_q.weight"]
     with pytest.raises(ValueError, match="bytes"):
         Q4_1Linear.from_gguf(t.data, 576, 1536)
+
+
+def test_gguf_linear_builds_native_layers_and_fuses_concatenated_rows(gguf_tensors):
+    q, k, v = (gguf_tensors[f"blk.0.attn_{n}.weight"] for n in "qkv")
+    fused = gguf_linear(np.concatenate([q.data, k.data, v.data]), q.tensor_type.name, 576 + 192 + 192, 576)
+    assert isinstance(fused, Q4_1Linear)
+    parts = [torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)) for t in (q, k, v)]
+    assert torch.equal(fused.dequantize(), torch.cat(parts))
+    assert gguf_linear(np.zeros((2, 32), np.float32), "F32", 2, 32) is None

@@ -254,6 +254,18 @@ LINEAR_TYPES: dict[str, type[QuantLinear]] = {
     c.__name__: c for c in (Int8Linear, Int4Linear, Q4_0Linear, Q4_1Linear, Q8_0Linear)}
 
 
+GGUF_LINEAR_TYPES: dict[str, type[QuantLinear]] = {"Q4_0": Q4_0Linear, "Q4_1": Q4_1Linear, "Q8_0": Q8_0Linear}
+
+
+def gguf_linear(data, type_name: str, out_features: int, in_features: int,
+                bias: torch.Tensor | None = None) -> QuantLinear | None:
+    """A native layer for a GGUF tensor of type Q4_0 / Q4_1 / Q8_0, or None for types that must be
+    dequantized. `data` is `GGUFReader`'s uint8 [rows, bytes]; rows can be permuted or concatenated
+    (e.g. q, k and v into one fused projection) before the call, since each row's blocks stand alone."""
+    cls = GGUF_LINEAR_TYPES.get(type_name)
+    return None if cls is None else cls.from_gguf(data, out_features, in_features, bias)
+
+
 def empty_from_config(cfg: dict) -> QuantLinear:
     """A module of the right type and shapes, ready for `load_state_dict` (used by checkpoint loading)."""
     cls = LINEAR_TYPES.get(cfg.get("type", ""))
