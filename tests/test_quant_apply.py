@@ -172,6 +172,19 @@ def test_checkpoint_round_trip_gives_identical_outputs(tmp_path, scheme):
     assert fresh.lm_head.weight is fresh.embed_tokens.weight          # the tie survives loading
 
 
+def test_checkpoint_loads_into_a_model_built_on_the_meta_device(tmp_path):
+    model = TinyLM()
+    quantize_model(model, "int4-g32")
+    save_quantized(model, str(tmp_path))
+    with torch.device("meta"):
+        skeleton = TinyLM()
+    apply_checkpoint(skeleton, str(tmp_path))
+    assert not any(p.is_meta for p in skeleton.parameters())
+    assert not any(b.is_meta for b in skeleton.buffers())
+    assert skeleton.lm_head.weight is skeleton.embed_tokens.weight
+    assert torch.equal(skeleton(IDS), model(IDS))
+
+
 def test_load_quantized_linears_returns_working_modules_by_name(tmp_path):
     model = TinyLM()
     quantize_model(model, "int4-g32")

@@ -195,3 +195,15 @@ def test_gguf_linear_builds_native_layers_and_fuses_concatenated_rows(gguf_tenso
     parts = [torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)) for t in (q, k, v)]
     assert torch.equal(fused.dequantize(), torch.cat(parts))
     assert gguf_linear(np.zeros((2, 32), np.float32), "F32", 2, 32) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_layers_run_on_cuda_through_the_dequant_path_and_match_cpu():
+    w, b = torch.randn(64, 128) * 0.05, torch.randn(64)
+    x = torch.randn(3, 128)
+    for mod in (Int8Linear.from_float(w, b), Int4Linear.from_float(w, b, 32, input_scale=torch.rand(128) + 0.5)):
+        mod.kernel = "dequant"
+        ref = mod(x)
+        mod = mod.cuda()
+        mod.kernel = "auto"                                           # auto must not pick the CPU-only kernels
+        torch.testing.assert_close(mod(x.cuda()).cpu(), ref, rtol=1e-4, atol=1e-4)

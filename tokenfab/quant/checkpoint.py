@@ -119,16 +119,38 @@ def load_quantized_linears(path: str, device: str | torch.device = "cpu") -> dic
     return load_quantized(path, device).linears
 
 
-def apply_checkpoint(model: nn.Module, path: str, strict: bool = True) -> QuantizedCheckpoint:
+def _tied_parameter_names(model: nn.Module) -> list[list[str]]:
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def apply_checkpoint(model: nn.Module, path: str, strict: bool = True,
+                     device: str | torch.device | None = None) -> QuantizedCheckpoint:
     """Swap the checkpoint's quantized linears into `model` by name, then load every tensor.
 
-    `model` is the float model built from the same config (its weights are overwritten).
+    `model` is the float model built from the same config; its weights are overwritten. It may
+    have been built on the meta device (no wasted init): the tensors are then assigned, not copied,
+    and tied parameters (lm_head = embed_tokens) are tied again afterwards.
     """
-    ckpt = load_quantized(path, next(model.parameters()).device)
+    real = [p.device for p in model.parameters() if not p.is_meta]
+    device = device or (real[0] if real else "cpu")
+    on_meta = len(real) < sum(1 for _ in model.parameters())
+    ties = _tied_parameter_names(model)
+    ckpt = load_quantized(path, device)
     for name, mod in ckpt.linears.items():
         set_submodule(model, name, mod)
-    missing, unexpected = model.load_state_dict(ckpt.tensors, strict=False)
+    missing, unexpected = model.load_state_dict(ckpt.tensors, strict=False, assign=on_meta)
     if strict and (missing or unexpected):
         raise ValueError(f"checkpoint {path} does not fit this model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
+    for names in ties:
+        owner, _, attr = names[0].rpartition(".")
+        shared = getattr(model.get_submodule(owner) if owner else model, attr)
+        for other in names[1:]:
+            mod_name, _, attr = other.rpartition(".")
+            mod = model.get_submodule(mod_name) if mod_name else model
+            if isinstance(getattr(mod, attr, None), nn.Parameter):   # not if the tie's owner was quantized
+                setattr(mod, attr, shared)
     return ckpt
