@@ -124,6 +124,8 @@ def add_parser(subparsers) -> None:
     s.add_argument("--engine-dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     s.add_argument("--prompt-lens", type=_positive_int_list, default=[32, 128, 256, 512])
     s.add_argument("--batches", type=_positive_int_list, default=[1, 2, 4, 8])
+    s.add_argument("--decode-tokens", type=_positive_int_list, default=[8, 40],
+                   help="N1,N2: a decode step is (T(N2) - T(N1)) / (N2 - N1) (default 8,40)")
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--max-num-batched-tokens", type=int, default=512)
     s.add_argument("--validate-batch", type=int, default=8, help="prompts in the held-out check")

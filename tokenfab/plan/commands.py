@@ -298,8 +298,10 @@ def run_calibrate(args, progress=None) -> dict:
     base = Deployment.make(model, replace(hw, efficiency=None, step_overhead_ms=None),
                            args.weight_dtype or args.engine_dtype, args.kv_dtype or args.engine_dtype,
                            args.act_dtype or args.engine_dtype)
+    if len(args.decode_tokens) != 2 or args.decode_tokens[0] >= args.decode_tokens[1]:
+        raise ValueError(f"--decode-tokens takes two increasing counts N1,N2, got {args.decode_tokens}")
     timings = measure_engine(llm, args.prompt_lens, args.batches, model.vocab, repeats=args.repeats,
-                             progress=progress)
+                             decode_tokens=tuple(args.decode_tokens), progress=progress)
     shapes = [t.shape(model.sliding_window, model.global_layer_fraction) for t in timings]
     fit = fit_efficiency(base, shapes, [t.step_s for t in timings])
     rows = [{**t.row(), "batch": t.batch, "prompt_len": t.prompt_len, "predicted_s": p, "bound": b}

@@ -7,6 +7,7 @@ numbers.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, replace
@@ -189,6 +190,12 @@ def _field(reader, key: str, default=None):
 def from_gguf(path: str) -> ModelSpec:
     """Read the architecture from GGUF metadata (`llama.block_count`, ...) and the weights' measured
     bits per weight from the tensor table (so a mixed-quant file is costed as it is on disk)."""
+    return _from_gguf(os.path.abspath(path), os.path.getmtime(path))
+
+
+@functools.lru_cache(maxsize=8)
+def _from_gguf(path: str, mtime: float) -> ModelSpec:
+    # GGUFReader parses every field, tokenizer arrays included (seconds for a 49k vocabulary): once per file.
     from gguf import GGUFReader
 
     r = GGUFReader(path)

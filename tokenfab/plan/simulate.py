@@ -132,10 +132,14 @@ class SimResult:
 
 
 class Simulator:
-    def __init__(self, cost: StepCost, config: SchedulerConfig = SchedulerConfig(), fast_forward: bool = True):
+    def __init__(self, cost: StepCost, config: SchedulerConfig = SchedulerConfig(), fast_forward: bool = True,
+                 trace: list | None = None):
+        """`trace`, when given, receives each step's [(request id, new tokens), ...] (and turns
+        off fast-forwarding, which skips over steps)."""
         self.cost = cost
         self.cfg = config
-        self.fast_forward = fast_forward
+        self.trace = trace
+        self.fast_forward = fast_forward and trace is None
 
     # -- block accounting (counts only; the simulator needs how many, not which) --------------
     def _allocate(self, seq: _Seq, n: int) -> bool:
@@ -290,6 +294,13 @@ class Simulator:
         self.now = 0.0
         # Sliding-window attention makes a step's cost depend on each context, not only on their sum.
         self._windowed = bool(getattr(self.cost.new_shape(), "window", None))
+        if cfg.num_kv_blocks is not None and requests:
+            # As the engine caps max_model_len at the pool: a sequence must fit alone, or preempting
+            # everything else could never let it finish.
+            big = max(requests, key=lambda r: r.prompt_len + r.output_len)
+            if big.prompt_len + big.output_len > cfg.num_kv_blocks * cfg.block_size:
+                raise ValueError(f"request {big.id} needs {big.prompt_len + big.output_len} tokens of KV but the pool "
+                                 f"holds {cfg.num_kv_blocks * cfg.block_size}; give more memory or shorter requests")
         arrivals = deque(sorted(requests, key=lambda r: r.arrival))
         last_arrival = arrivals[-1].arrival if arrivals else 0.0
         done: list[_Seq] = []
@@ -324,6 +335,8 @@ class Simulator:
                 continue
             batch, shape = self._schedule()
             assert batch, "a step with nothing scheduled would never advance the clock"
+            if self.trace is not None:
+                self.trace.append([(seq.req.id, n) for seq, n in batch])
             dt = self.cost.step_time(shape)
             end = self.now + dt
             busy += dt
