@@ -40,7 +40,7 @@ def test_32_mixed_prompts_batched_match_one_at_a_time(bundled_llm, reference):
 
 
 def test_tiny_token_budget_forces_chunked_prefill_and_matches(bundled_files, reference):
-    llm = LLM(loaded=bundled_files, max_model_len=1024, num_kv_blocks=1024, max_num_batched_tokens=24)
+    llm = LLM(loaded=bundled_files, quantization="none", max_model_len=1024, num_kv_blocks=1024, max_num_batched_tokens=24)
     steps = []
     original = llm.engine.scheduler.schedule
 
@@ -58,7 +58,7 @@ def test_tiny_token_budget_forces_chunked_prefill_and_matches(bundled_files, ref
 
 def test_tiny_kv_pool_forces_preemption_and_matches(bundled_files, reference):
     # 24 blocks of 16 tokens: room for about three sequences at a time, so most get preempted.
-    llm = LLM(loaded=bundled_files, max_model_len=384, num_kv_blocks=24, block_size=16)
+    llm = LLM(loaded=bundled_files, quantization="none", max_model_len=384, num_kv_blocks=24, block_size=16)
     assert run(llm) == reference
     assert llm.engine.scheduler.num_preemptions > 0
 
@@ -66,11 +66,11 @@ def test_tiny_kv_pool_forces_preemption_and_matches(bundled_files, reference):
 def test_prefix_cache_hits_on_shared_system_prompt_and_match_uncached(bundled_files):
     system = " ".join(make_prompts(1, seed=7)[0].split()[:100]) * 3   # a long shared prefix
     prompts = [system + " question " + q for q in make_prompts(8, seed=3)]
-    uncached = LLM(loaded=bundled_files, max_model_len=2048, num_kv_blocks=512, enable_prefix_caching=False)
+    uncached = LLM(loaded=bundled_files, quantization="none", max_model_len=2048, num_kv_blocks=512, enable_prefix_caching=False)
     expected = run(uncached, prompts)
     assert uncached.engine.stats().prefix_cache_hits == 0
 
-    cached = LLM(loaded=bundled_files, max_model_len=2048, num_kv_blocks=512)
+    cached = LLM(loaded=bundled_files, quantization="none", max_model_len=2048, num_kv_blocks=512)
     first = run(cached, prompts[:1])                # fills the cache with the shared prefix
     assert cached.engine.stats().prefix_cache_hits == 0
     rest = run(cached, prompts[1:])

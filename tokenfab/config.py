@@ -21,7 +21,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None       # bytes for the KV pool; None: a safe share of free memory
     num_kv_blocks: int | None = None         # exact pool size (overrides kv_cache_memory); mostly for tests
     kv_cache_dtype: str = "auto"             # auto (= dtype) | int8
-    quantization: str | None = None          # None | int8 | int4 | int4-g32 | int4-g64 | int4-g128 | gguf
+    quantization: str = "auto"               # auto | none (float) | gguf (blocks as shipped) | int8 | int4[-g32|-g64|-g128]
     scheduling_policy: str = "fcfs"          # fcfs | priority
     seed: int = 0
     num_threads: int | None = None           # torch intra-op threads; None: torch's default
@@ -45,5 +45,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
+        from tokenfab.model.quantize import QUANTIZATIONS
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")

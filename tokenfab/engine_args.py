@@ -16,7 +16,6 @@ from dataclasses import fields
 
 from tokenfab.config import EngineConfig
 
-QUANTIZATIONS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "gguf")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
 
@@ -43,8 +42,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
-    """Add MODEL and the engine flags. With positional_model=False the model is `--model` instead."""
+def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool = True,
+                    exclude: tuple[str, ...] = ()) -> None:
+    """Add MODEL and the engine flags. With positional_model=False the model is `--model` instead.
+
+    `exclude` names fields whose flag the command defines itself (e.g. ("seed",) where --seed is a
+    per-request sampling seed); those fields keep their EngineConfig default."""
     d = EngineConfig()
     if positional_model:
         parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
@@ -52,7 +55,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     else:
         parser.add_argument("--model", default=None,
                             help="a .gguf file or an HF model folder (default: the bundled SmolLM2-135M-Instruct)")
-    g = parser.add_argument_group("engine")
+    g = _Group(parser.add_argument_group("engine"), {f"--{name.replace('_', '-')}" for name in exclude})
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help=f"compute dtype for float weights (default: {d.dtype})")
     g.add_argument("--device", default=None, help=f"cpu or cuda (default: {d.device})")
@@ -75,13 +78,26 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    help="exact KV pool size in blocks (overrides --kv-cache-memory)")
     g.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default=None,
                    help=f"KV cache element type; auto follows --dtype (default: {d.kv_cache_dtype})")
-    g.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
-                   help="quantize weights at load time (default: none; GGUF files keep their own blocks)")
+    # No argparse choices: EngineConfig.validate owns the list and names it when a value is wrong.
+    g.add_argument("--quantization", "-q", default=None,
+                   help="weights: auto (GGUF blocks as shipped, else float), none (float), gguf, int8, int4, "
+                        "int4-g32, int4-g64 or int4-g128 (default: auto)")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
                    help=f"fcfs, or priority (lower `priority` values run first) (default: {d.scheduling_policy})")
     g.add_argument("--seed", type=int, default=None, help=f"engine seed (default: {d.seed})")
     g.add_argument("--num-threads", type=_positive_int, default=None,
                    help="torch intra-op threads (default: torch's choice)")
+
+
+class _Group:
+    """An argument group that skips the excluded flags."""
+
+    def __init__(self, group, excluded: set[str]) -> None:
+        self.group, self.excluded = group, excluded
+
+    def add_argument(self, *names, **kw):
+        if not self.excluded.intersection(names):
+            self.group.add_argument(*names, **kw)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -88,7 +88,8 @@ class LLMEngine:
             log.warning("max_model_len %d lowered to %d: the KV pool holds only %d tokens",
                         max_len, self.max_model_len, num_blocks * config.block_size)
 
-        self.model = build_model(mcfg, files.weights, self.dtype, config.device, config.block_size, self.max_model_len + 1)
+        self.model = build_model(files, self.dtype, config.device, config.block_size, self.max_model_len + 1,
+                                 config.quantization)
         del files
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,

@@ -126,11 +126,46 @@ class LlamaModel(nn.Module):
             put(layer.post_attention_layernorm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
 
 
-def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
-                block_size: int, max_positions: int) -> LlamaModel:
-    """Build on the meta device (no wasted random init), then move the real weights in."""
+def build_model(loaded, dtype: torch.dtype, device: str, block_size: int, max_positions: int,
+                quantization: str = "auto") -> LlamaModel:
+    """Build on the meta device (no wasted random init), move the real weights in, then swap in
+    quantized layers as asked (see tokenfab.model.quantize)."""
+    from tokenfab.model.quantize import apply_quantization
+    from tokenfab.quant.checkpoint import apply_checkpoint, is_quantized_checkpoint
+
+    cfg = loaded.config
     with torch.device("meta"):
         model = LlamaModel(cfg, block_size, max_positions=1)
     model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
-    model.load_hf_weights(weights, dtype)
+    if is_quantized_checkpoint(loaded.path):     # written by `tokenfab quant`: our own layer names
+        if quantization not in ("auto", "none"):
+            raise ValueError(f"{loaded.path} is already quantized; leave quantization unset")
+        apply_checkpoint(model, loaded.path)
+    else:
+        model.load_hf_weights(loaded.weights, dtype)
+        apply_quantization(model, loaded, quantization)
     return model.to(device)
+
+
+@torch.inference_mode()
+def full_logits(model: LlamaModel, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """float32 logits at every position of one sequence, [T, vocab], through a throwaway KV cache.
+
+    For quality evaluation (perplexity, KL against another model), not for serving.
+    """
+    from tokenfab.model.attention import AttentionMetadata, PrefillChunk
+
+    cfg = model.config
+    device = model.embed_tokens.weight.device
+    T = len(token_ids)
+    nblocks = -(-T // block_size)
+    kv = torch.zeros(cfg.num_layers, 2, nblocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                     dtype=model.embed_tokens.weight.dtype, device=device)
+    caches = [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)]
+    table = torch.arange(nblocks, device=device)
+    meta = AttentionMetadata(slot_mapping=torch.arange(T, device=device), num_decode_tokens=0,
+                             decode_block_tables=None, decode_context_lens=None, decode_max_context=0,
+                             prefills=[PrefillChunk(0, T, T, table)])
+    positions = torch.arange(T, device=device)
+    ids = torch.tensor(token_ids, device=device)
+    return model(ids, positions, caches, meta, positions)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]   # HF names, float32 tensors
     tokenizer: object
     file_dtypes: dict[str, int]        # tensor type name -> count, as stored in the file (for `info`)
+    # GGUF block-quantized tensors as shipped (HF name -> (type name, raw uint8 [rows, bytes])), with
+    # llama.cpp's Q/K row permutation already undone, for running them natively (quantization="gguf").
+    gguf_raw: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
 
 
 _GGUF_LAYER_NAMES = {
@@ -110,11 +113,16 @@ def gguf_config(reader, path: str) -> ModelConfig:
         raise ModelLoadError(f"{path}: GGUF metadata is missing a required field ({e})") from None
 
 
-def load_gguf_weights(reader, cfg: ModelConfig, path: str) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+_NATIVE_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def load_gguf_weights(reader, cfg: ModelConfig, path: str):
+    """-> (float weights, tensor type counts, raw blocks of the natively runnable quantized tensors)."""
     import gguf
 
     weights: dict[str, torch.Tensor] = {}
     types: dict[str, int] = {}
+    raw: dict[str, tuple[str, np.ndarray]] = {}
     for t in reader.tensors:
         try:
             hf = gguf_name_to_hf(t.name)
@@ -128,13 +136,27 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str) -> tuple[dict[str, to
             raise ModelLoadError(f"{path}: tensor {t.name} of type {qtype.name} cannot be read ({e})") from None
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
-        if cfg.arch in ("llama", "mistral"):
-            if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
-                w = _unpermute_rope_rows(w, cfg.num_heads)
-            elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
-                w = _unpermute_rope_rows(w, cfg.num_kv_heads)
+        blocks = t.data if qtype.name in _NATIVE_GGUF_TYPES else None
+        heads = _rope_permuted_heads(cfg, hf)
+        if heads:
+            w = _unpermute_rope_rows(w, heads)
+            if blocks is not None:   # rows are independent blocks: permute the raw rows the same way
+                blocks = _unpermute_rope_rows(torch.from_numpy(np.array(blocks)), heads).numpy()
         weights[hf] = w
-    return weights, types
+        if blocks is not None:
+            raw[hf] = (qtype.name, blocks)
+    return weights, types, raw
+
+
+def _rope_permuted_heads(cfg: ModelConfig, hf_name: str) -> int:
+    """How many heads llama.cpp's converter permuted in this tensor (0: not permuted)."""
+    if cfg.arch not in ("llama", "mistral"):
+        return 0
+    if ".q_proj." in hf_name:
+        return cfg.num_heads
+    if ".k_proj." in hf_name:
+        return cfg.num_kv_heads
+    return 0
 
 
 def load_hf_folder(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, int]]:
@@ -173,16 +195,17 @@ def load_hf_folder(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dic
 def load_model_files(model: str | None) -> LoadedModel:
     """Resolve `model` (None: the bundled GGUF), read config, weights and tokenizer."""
     path = resolve_model_path(model)
+    raw: dict[str, tuple[str, np.ndarray]] = {}
     if os.path.isdir(path):
         cfg, weights, types = load_hf_folder(path)
     else:
         reader = open_gguf(path)
         cfg = gguf_config(reader, path)
-        weights, types = load_gguf_weights(reader, cfg, path)
+        weights, types, raw = load_gguf_weights(reader, cfg, path)
     try:
         tok = load_tokenizer(path)
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
     if not cfg.eos_token_ids and tok.eos_token_id is not None:
         cfg.eos_token_ids = [tok.eos_token_id]
-    return LoadedModel(path=path, config=cfg, weights=weights, tokenizer=tok, file_dtypes=types)
+    return LoadedModel(path=path, config=cfg, weights=weights, tokenizer=tok, file_dtypes=types, gguf_raw=raw)

@@ -1,0 +1,70 @@
+"""Weight quantization at load time: which quantized layers replace the decoder's float linears.
+
+`quantization` (EngineConfig / --quantization):
+- "auto" (default): a GGUF file's blocks run as shipped ("gguf"); float checkpoints stay float ("none");
+- "none": float weights in the compute dtype (GGUF blocks dequantized): token-exact with transformers;
+- "gguf": the GGUF file's Q4_0 / Q4_1 / Q8_0 blocks run as shipped, no requantization. The packed
+  CPU kernels take bfloat16 activations, so logits differ from "none" at bf16 precision (see docs/quant.md);
+- "int8", "int4" (= int4-g32), "int4-g32", "int4-g64", "int4-g128": round-to-nearest weight-only
+  quantization of every decoder linear (embeddings and LM head stay float);
+- a folder written by `tokenfab quant` carries its own quantized layers and is applied automatically.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4", "int4-g32", "int4-g64", "int4-g128")
+
+
+def apply_quantization(model, loaded, quantization: str | None) -> None:
+    """Swap quantized layers into a built float model, in place."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization == "auto":
+        quantization = "gguf" if loaded.gguf_raw else "none"
+    if quantization == "none":
+        return
+    if quantization == "gguf":
+        if not loaded.gguf_raw:
+            raise ValueError(f"{loaded.path} has no Q4_0/Q4_1/Q8_0 tensors to run natively; "
+                             "use int8 or int4 to quantize float weights")
+        use_gguf_blocks(model, loaded.gguf_raw)
+        return
+    from tokenfab.quant.apply import quantize_model
+    quantize_model(model, "int4-g32" if quantization == "int4" else quantization)
+
+
+def use_gguf_blocks(model, raw: dict[str, tuple[str, np.ndarray]]) -> int:
+    """Replace each decoder linear whose source tensors are all GGUF blocks of one type by the native
+    layer (fused q/k/v and gate/up concatenate their raw rows). Returns how many were replaced."""
+    from tokenfab.quant.linear import gguf_linear
+
+    def native(sources: list[str], linear) -> bool:
+        parts = [raw.get(s) for s in sources]
+        if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+            return False
+        data = np.concatenate([p[1] for p in parts], axis=0)
+        layer = gguf_linear(data, parts[0][0], linear.out_features, linear.in_features,
+                            None if linear.bias is None else linear.bias.data)
+        if layer is None:
+            return False
+        owner, attr = holder[linear]
+        setattr(owner, attr, layer)
+        return True
+
+    holder = {}
+    plan: list[tuple[list[str], torch.nn.Module]] = []
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        a, m = layer.self_attn, layer.mlp
+        holder.update({a.qkv_proj: (a, "qkv_proj"), a.o_proj: (a, "o_proj"),
+                       m.gate_up_proj: (m, "gate_up_proj"), m.down_proj: (m, "down_proj")})
+        plan += [([p + f"self_attn.{n}_proj.weight" for n in "qkv"], a.qkv_proj),
+                 ([p + "self_attn.o_proj.weight"], a.o_proj),
+                 ([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], m.gate_up_proj),
+                 ([p + "mlp.down_proj.weight"], m.down_proj)]
+    holder[model.lm_head] = (model, "lm_head")
+    head_src = "lm_head.weight" if "lm_head.weight" in raw else "model.embed_tokens.weight"
+    plan.append(([head_src], model.lm_head))
+    return sum(native(srcs, lin) for srcs, lin in plan)
