@@ -109,3 +109,12 @@ def test_serve_prints_curl_and_sigterm_drains_the_inflight_stream():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_command_may_redefine_an_engine_flag_after_adding_them():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    parser.add_argument("--seed", dest="sampling_seed", type=int)    # as `generate` does
+    args = parser.parse_args(["--seed", "5"])
+    assert args.sampling_seed == 5
+    assert engine_config_from_args(args).seed == EngineConfig().seed

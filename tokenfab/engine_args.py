@@ -49,6 +49,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     `exclude` names fields whose flag the command defines itself (e.g. ("seed",) where --seed is a
     per-request sampling seed); those fields keep their EngineConfig default."""
     d = EngineConfig()
+    # A command may define one of these flags itself after this call (e.g. `generate` has a per-request
+    # --seed); its definition then wins instead of argparse refusing the whole CLI. Groups made later
+    # inherit the parser's handler; the existing ones (incl. the default "options") are set here.
+    for container in (parser, *getattr(parser, "_action_groups", ())):
+        container.conflict_handler = "resolve"
     if positional_model:
         parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
                             help="a .gguf file or an HF model folder (default: the bundled SmolLM2-135M-Instruct)")
@@ -81,7 +86,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     # No argparse choices: EngineConfig.validate owns the list and names it when a value is wrong.
     g.add_argument("--quantization", "-q", default=None,
                    help="weights: auto (GGUF blocks as shipped, else float), none (float), gguf, int8, int4, "
-                        "int4-g32, int4-g64 or int4-g128 (default: auto)")
+                        f"int4-g32, int4-g64 or int4-g128 (default: {d.quantization})")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
                    help=f"fcfs, or priority (lower `priority` values run first) (default: {d.scheduling_policy})")
     g.add_argument("--seed", type=int, default=None, help=f"engine seed (default: {d.seed})")
