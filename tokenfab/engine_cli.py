@@ -35,13 +35,13 @@ def add_parser(subs) -> None:
     g = subs.add_parser("generate", help="generate text for a prompt, streamed to the terminal")
     g.add_argument("prompt", help="the prompt text ('-' reads standard input)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    add_engine_args(g, positional_model=False)
+    add_engine_args(g, positional_model=False, exclude=("seed",))
     _add_sampling_args(g, 128)
     g.set_defaults(func=cmd_generate)
 
     c = subs.add_parser("chat", help="interactive chat with streaming output (empty line or Ctrl-D ends)")
     c.add_argument("--system", default=None, help="a system message")
-    add_engine_args(c, positional_model=False)
+    add_engine_args(c, positional_model=False, exclude=("seed",))
     _add_sampling_args(c, 512)
     c.set_defaults(func=cmd_chat)
 

@@ -54,10 +54,7 @@ class LLM:
         prios = list(priority) if priority is not None else [0] * len(prompts)
         # Validate everything first: a bad prompt in the middle must not leave half a batch queued.
         for p in prompts:
-            ids = self.engine.tokenize(p)
-            if len(ids) >= self.engine.max_model_len:
-                raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.engine.max_model_len} "
-                                 f"(at least one token must be left to generate)")
+            self.engine.check_prompt_length(len(self.engine.tokenize(p)))
         rids = [f"gen-{next(self._ids)}" for _ in prompts]
         for rid, p, sp, pr in zip(rids, prompts, params, prios):
             self.engine.add_request(rid, p, sp, priority=pr)

@@ -116,6 +116,13 @@ class LLMEngine:
                 raise ValueError(f"prompt token id {t!r} is not in [0, {vocab})")
         return list(prompt)
 
+    def check_prompt_length(self, num_tokens: int) -> None:
+        if num_tokens >= self.max_model_len:
+            pool = self.block_manager.num_blocks * self.config.block_size
+            why = f", limited by the KV pool of {pool} tokens" if self.max_model_len == pool else ""
+            raise ValueError(f"prompt has {num_tokens} tokens but max_model_len is {self.max_model_len}{why} "
+                             f"(at least one token must be left to generate)")
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> list[int]:
         """Queue a request. Raises ValueError (changing nothing) on bad input. Returns the prompt ids."""
@@ -125,9 +132,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
-                             f"(at least one token must be left to generate)")
+        self.check_prompt_length(len(ids))
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.monotonic() if arrival_time is None else arrival_time
