@@ -119,3 +119,13 @@ def test_corrupt_safetensors_names_file(tmp_path, bundled_tokenizer):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ModelLoadError, match="model.safetensors: cannot read safetensors"):
         load_model_files(str(tmp_path))
+
+
+def test_prompt_that_can_never_fit_in_the_pool_is_rejected_not_hung(bundled_files):
+    llm = LLM(loaded=bundled_files, quantization="none", num_kv_blocks=4, block_size=16)
+    with pytest.raises(ValueError, match=r"prompt has 100 tokens but max_model_len is 64, limited by the KV pool"):
+        llm.generate([[28] * 100], OK)
+    # A prompt that fits runs to the pool's limit and stops by length instead of waiting forever.
+    out = llm.generate([[28] * 60], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 4
+    assert llm.engine.block_manager.num_used_blocks() == 0
