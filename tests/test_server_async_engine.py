@@ -293,3 +293,34 @@ def test_oversized_body_gets_413_with_and_without_content_length(fake):
         chunked = c.post("/v1/completions", content=iter([big[:1000], big[1000:]]))   # no Content-Length
         assert chunked.status_code == 413
         assert completion(c).status_code == 200
+
+
+def test_slow_reader_gets_the_newest_output_then_the_end():
+    import asyncio
+
+    from tokenfab.engine.async_engine import RequestFailed, RequestStream
+
+    def output(n: int, finished: bool) -> RequestOutput:
+        return RequestOutput("r", None, [1], [CompletionOutput(0, "a" * n, [5] * n, "length" if finished else None)],
+                             finished)
+
+    async def read_all(stream) -> list:
+        seen = []
+        try:
+            async for out in stream:
+                seen.append(len(out.outputs[0].token_ids))
+        except RequestFailed as e:
+            seen.append(str(e))
+        return seen
+
+    async def main():
+        owner = SimpleNamespace(abort=lambda rid: None)
+        done = RequestStream("r", owner)
+        for n in range(1, 6):                 # five steps arrive before the reader looks
+            done._put(output(n, finished=n == 5))
+        failed = RequestStream("r", owner)
+        failed._put(output(1, False))
+        failed._put(RequestFailed("boom"))
+        return await read_all(done), await read_all(failed)
+
+    assert asyncio.run(main()) == ([5], [1, "boom"])

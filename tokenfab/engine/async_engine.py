@@ -25,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,8 +74,8 @@ class _Stop:
 
 
 class RequestStream:
-    """One request's outputs, consumed on the event loop. Outputs are cumulative, so a consumer that
-    falls behind skips straight to the newest one instead of replaying every step."""
+    """One request's outputs, consumed on the event loop. Outputs are cumulative, so an unread output
+    is replaced by the next one: a slow reader skips to the newest, and memory stays one output deep."""
 
     def __init__(self, request_id: str, owner: "AsyncEngine") -> None:
         self.request_id = request_id
@@ -82,22 +83,29 @@ class RequestStream:
         self.finished = False
         self.last: RequestOutput | None = None
         self._owner = owner
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
         self._num_tokens = 0                    # generated so far over all n samples (for ITL)
         self._last_token_time: float | None = None
 
     def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        last = self._items[-1] if self._items else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and not last.finished:
+            self._items[-1] = item           # cumulative: the newer output supersedes the unread one
+        else:
+            self._items.append(item)
+        self._ready.set()
 
     def __aiter__(self) -> "RequestStream":
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished and self._queue.empty():
+        if self.finished and not self._items:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
-            item = self._queue.get_nowait()
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
