@@ -3,9 +3,11 @@
 Layout of a checkpoint folder:
     model.safetensors    the model's full state_dict after quantization: float tensors under their
                          usual names, and for each quantized linear its buffers (`<name>.qweight`,
-                         `<name>.scales`, ...) in a portable layout (never the machine-specific packed one)
+                         `<name>.scales`, ...) in a portable layout (never the machine-specific packed one).
+                         A tied parameter (lm_head = embed_tokens) is stored once, under its first name
     quant_config.json    {"format": "tokenfab-quant", "version": 1, "scheme": ..., "layers":
-                         {name: {"type": "Int4Linear", "in_features", "out_features", "bias", ...}}, ...}
+                         {name: {"type": "Int4Linear", "in_features", "out_features", "bias", ...}},
+                         "tied": [[stored name, other names...]], ...}
     config.json          the model config, when the caller passes one (opaque to this module)
 
 Loading, for an engine that builds its model from config.json first:
@@ -38,10 +40,22 @@ def quantized_layers(model: nn.Module) -> dict[str, QuantLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
-def _portable_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    # safetensors refuses tensors that share storage (tied embeddings): give each its own copy
+def _tied_parameter_names(model: nn.Module) -> list[list[str]]:
+    """Groups of names that refer to one parameter (e.g. [embed_tokens.weight, lm_head.weight])."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _portable_state(model: nn.Module, tied: list[list[str]]) -> dict[str, torch.Tensor]:
+    # a tied parameter is saved once, under its first name (quant_config "tied" lists the others);
+    # safetensors refuses any other tensors that share storage, so those get their own copy
+    skip = {n for names in tied for n in names[1:]}
     out, seen = {}, set()
     for name, t in model.state_dict().items():
+        if name in skip:
+            continue
         t = t.detach().cpu()
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
         out[name] = t.clone().contiguous() if key in seen or not t.is_contiguous() else t
@@ -58,9 +72,10 @@ def save_quantized(model: nn.Module, out_dir: str, *, scheme: str | None = None,
     if not layers:
         raise ValueError("model has no quantized linears; run quantize_model(...) before save_quantized")
     os.makedirs(out_dir, exist_ok=True)
-    save_file(_portable_state(model), os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": FORMAT})
+    tied = _tied_parameter_names(model)
+    save_file(_portable_state(model, tied), os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": FORMAT})
     qcfg = {"format": FORMAT, "version": VERSION, "scheme": scheme,
-            "layers": {n: m.config() for n, m in layers.items()}, **(extra or {})}
+            "layers": {n: m.config() for n, m in layers.items()}, "tied": tied, **(extra or {})}
     with open(os.path.join(out_dir, QUANT_CONFIG_FILE), "w") as f:
         json.dump(qcfg, f, indent=1)
     if model_config is not None:
@@ -119,13 +134,6 @@ def load_quantized_linears(path: str, device: str | torch.device = "cpu") -> dic
     return load_quantized(path, device).linears
 
 
-def _tied_parameter_names(model: nn.Module) -> list[list[str]]:
-    groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
-
-
 def apply_checkpoint(model: nn.Module, path: str, strict: bool = True,
                      device: str | torch.device | None = None) -> QuantizedCheckpoint:
     """Swap the checkpoint's quantized linears into `model` by name, then load every tensor.
@@ -137,20 +145,29 @@ def apply_checkpoint(model: nn.Module, path: str, strict: bool = True,
     real = [p.device for p in model.parameters() if not p.is_meta]
     device = device or (real[0] if real else "cpu")
     on_meta = len(real) < sum(1 for _ in model.parameters())
-    ties = _tied_parameter_names(model)
     ckpt = load_quantized(path, device)
+    # ties the file recorded (saved once) and ties the model has: both are restored after loading
+    ties = [list(g) for g in ckpt.quant_config.get("tied", [])] + _tied_parameter_names(model)
+    saved_once = {n for names in ckpt.quant_config.get("tied", []) for n in names[1:]}
     for name, mod in ckpt.linears.items():
         set_submodule(model, name, mod)
     missing, unexpected = model.load_state_dict(ckpt.tensors, strict=False, assign=on_meta)
+    missing = [m for m in missing if m not in saved_once]
     if strict and (missing or unexpected):
         raise ValueError(f"checkpoint {path} does not fit this model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
     for names in ties:
-        owner, _, attr = names[0].rpartition(".")
-        shared = getattr(model.get_submodule(owner) if owner else model, attr)
-        for other in names[1:]:
+        owner_name = next((n for n in names if n in ckpt.tensors), names[0])
+        owner, _, attr = owner_name.rpartition(".")
+        shared = getattr(model.get_submodule(owner) if owner else model, attr, None)
+        if not isinstance(shared, nn.Parameter):     # the tie's owner was quantized: nothing to share
+            continue
+        for other in names:
             mod_name, _, attr = other.rpartition(".")
-            mod = model.get_submodule(mod_name) if mod_name else model
-            if isinstance(getattr(mod, attr, None), nn.Parameter):   # not if the tie's owner was quantized
+            try:
+                mod = model.get_submodule(mod_name) if mod_name else model
+            except AttributeError:
+                continue
+            if other != owner_name and isinstance(getattr(mod, attr, None), nn.Parameter):
                 setattr(mod, attr, shared)
     return ckpt

@@ -1,0 +1,124 @@
+"""`tokenfab quant MODEL --scheme ... --out DIR`: quantize a model file into a checkpoint folder.
+
+The folder is an HF-style model folder that `LLM(model=DIR)` loads like any other:
+    config.json          HF-style, read back by ModelConfig.from_hf (model_type = the architecture)
+    model.safetensors    every tensor, quantized linears in the portable layout (see checkpoint.py)
+    quant_config.json    scheme and per-layer types; its presence makes build_model apply the layers
+    tokenizer files      from tokenizer.save_pretrained (chat template included)
+
+The starting point is always the float model (GGUF blocks dequantized, quantization="none"), so the
+scheme quantizes the same weights `tokenfab quant eval` compares against.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenfab.quant.schemes import parse_scheme
+
+DEFAULT_CALIB_TOKENS = 1024     # AWQ only; two windows of 512 (measured: enough for a stable alpha per layer)
+CALIB_CTX = 512
+
+
+def hf_config_dict(cfg) -> dict:
+    """An HF `config.json` dict for a ModelConfig; `ModelConfig.from_hf` reads it back unchanged."""
+    eos = list(cfg.eos_token_ids)
+    return {
+        "model_type": cfg.arch,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.qkv_bias,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "_name_or_path": cfg.name,
+        "torch_dtype": "float32",
+    }
+
+
+def build_float_model(files, max_positions: int, quantization: str = "none"):
+    """The engine's decoder for already-read model files, float32 on the CPU, for offline tools."""
+    from tokenfab.model.llama import build_model
+    return build_model(files, torch.float32, "cpu", 16, max_positions, quantization)
+
+
+def forward_windows(windows: Sequence[Sequence[int]]) -> Callable[[torch.nn.Module], None]:
+    """A calibration callable for `quantize_model`: runs the model over each token window."""
+    from tokenfab.model.llama import full_logits
+
+    def run(model) -> None:
+        for w in windows:
+            full_logits(model, list(w))
+    return run
+
+
+def calibration_windows(tokenizer, path: str | None, tokens: int, ctx: int = CALIB_CTX) -> list[list[int]]:
+    """Windows of `path`'s text, or of the bundled text's calibration slice (disjoint from evaluation)."""
+    from tokenfab.quant.text import split_eval_calib, text_token_ids, token_windows
+    ids = text_token_ids(tokenizer, path)
+    if path is None:
+        ids = split_eval_calib(ids)[1]
+    ctx = min(ctx, len(ids), tokens)
+    return token_windows(ids, ctx, max(1, tokens // ctx))
+
+
+def _check_out_dir(out: str) -> None:
+    from tokenfab.quant.checkpoint import is_quantized_checkpoint
+    if os.path.isfile(out):
+        raise ValueError(f"--out {out} is a file; give a folder to write the checkpoint into")
+    if os.path.isdir(out) and os.listdir(out) and not is_quantized_checkpoint(out):
+        # the loader reads every *.safetensors in the folder: never mix ours with someone else's files
+        raise ValueError(f"--out {out} is not empty and not a tokenfab checkpoint; give a new or empty folder")
+
+
+@dataclass
+class ExportResult:
+    out: str
+    scheme: str
+    quantized: int            # linears replaced
+    kept_float: list[str]
+    float_bytes: int          # of the quantized linears' weights, before
+    quant_bytes: int          # and after
+    calib_tokens: int
+    seconds: float
+
+
+def quantize_to_folder(model: str | None, scheme: str, out: str, *, calib_path: str | None = None,
+                       calib_tokens: int = DEFAULT_CALIB_TOKENS, keep_float: Sequence[str] | None = None,
+                       progress: Callable[[str], None] | None = None) -> ExportResult:
+    """Load `model` (None: the bundled one) as float, quantize with `scheme`, write the folder."""
+    from tokenfab.model.loader import load_model_files
+    from tokenfab.quant.apply import quantize_model
+    from tokenfab.quant.checkpoint import is_quantized_checkpoint, save_quantized
+
+    spec = parse_scheme(scheme)
+    _check_out_dir(out)
+    t0 = time.perf_counter()
+    files = load_model_files(model)
+    if is_quantized_checkpoint(files.path):
+        raise ValueError(f"{files.path} is already a quantized checkpoint; quantize its float source instead")
+    windows: list[list[int]] = []
+    if spec.awq:
+        windows = calibration_windows(files.tokenizer, calib_path, calib_tokens)
+    fmodel = build_float_model(files, max(CALIB_CTX, max((len(w) for w in windows), default=1)) + 1)
+    if progress:
+        progress(f"quantizing to {spec.name}" + (f", calibrating on {sum(map(len, windows))} tokens" if windows else ""))
+    summary = quantize_model(fmodel, spec.name, keep_float, forward_windows(windows) if spec.awq else None,
+                             progress=progress)
+    save_quantized(fmodel, out, scheme=spec.name, model_config=hf_config_dict(files.config),
+                   extra={"source": files.path, "calib_tokens": sum(map(len, windows))})
+    files.tokenizer.save_pretrained(out)
+    return ExportResult(out, spec.name, len(summary.quantized), summary.kept_float, summary.float_bytes,
+                        summary.quant_bytes, sum(map(len, windows)), time.perf_counter() - t0)
