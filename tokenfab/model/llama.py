@@ -27,14 +27,19 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = TorchPagedAttention(self.h, self.kvh, self.d, block_size)
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x, rope: RotaryEmbedding, rope_tables, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k, v = q.view(T, self.h, self.d), k.view(T, self.kvh, self.d), v.view(T, self.kvh, self.d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.kvh, self.d)
+        if self.q_norm is None:
+            # q and k sit side by side in each row: rotate them in one go.
+            qk = rope.apply(qkv[:, :self.q_size + self.kv_size].view(T, self.h + self.kvh, self.d), rope_tables)
+            q, k = qk[:, :self.h], qk[:, self.h:]
+        else:
+            q = self.q_norm(qkv[:, :self.q_size].view(T, self.h, self.d))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.kvh, self.d))
+            q, k = rope.apply(q, rope_tables), rope.apply(k, rope_tables)
         o = self.attn(q, k, v, kv[0], kv[1], meta)
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -59,8 +64,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv, meta)
+    def forward(self, x, rope, rope_tables, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, rope_tables, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -80,8 +85,9 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """Returns float32 logits for the tokens at `logits_indices` only (one per sampled sequence)."""
         x = self.embed_tokens(input_ids)
+        tables = self.rope.tables(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv, meta)
+            x = layer(x, self.rope, tables, kv, meta)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
 
@@ -140,11 +146,27 @@ def build_model(loaded, dtype: torch.dtype, device: str, block_size: int, max_po
     if is_quantized_checkpoint(loaded.path):     # written by `tokenfab quant`: our own layer names
         if quantization not in ("auto", "none"):
             raise ValueError(f"{loaded.path} is already quantized; leave quantization unset")
+        if cfg.tie_word_embeddings:      # tie before loading, so apply_checkpoint keeps one copy
+            model.lm_head.weight = model.embed_tokens.weight
         apply_checkpoint(model, loaded.path)
+        _cast_float_parameters(model, dtype)
     else:
         model.load_hf_weights(loaded.weights, dtype)
         apply_quantization(model, loaded, quantization)
     return model.to(device)
+
+
+def _cast_float_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Float parameters outside the quantized linears to the compute dtype (checkpoints store
+    float32), in place so that tied parameters stay tied; quantized layers keep their scales."""
+    from tokenfab.quant.linear import QuantLinear
+
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            continue
+        for p in mod.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
 
 
 @torch.inference_mode()
