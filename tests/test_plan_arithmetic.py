@@ -9,7 +9,7 @@ from tokenfab.plan.cost import CostAssumptions, hourly_cost, usd_per_million_tok
 from tokenfab.plan.dtypes import parse_dtype
 from tokenfab.plan.hardware import Hardware, get_hardware, load_catalog
 from tokenfab.plan.memory import MemorySettings, plan_memory, tp_options
-from tokenfab.plan.models import PRESETS, from_gguf, from_hf_config, preset
+from tokenfab.plan.models import PRESETS, from_hf_config, preset, spec_from_gguf_reader
 from tokenfab.plan.roofline import Deployment, Efficiency
 
 GB = 1e9
@@ -100,8 +100,9 @@ def test_published_parameter_counts():
 
 def test_gguf_description_matches_the_file(bundled_path):
     from gguf import GGUFReader
-    m = from_gguf(bundled_path)
-    tensors = GGUFReader(bundled_path).tensors
+    reader = GGUFReader(bundled_path)
+    m = spec_from_gguf_reader(reader, bundled_path)
+    tensors = reader.tensors
     assert m.total_params == sum(int(t.n_elements) for t in tensors)
     assert (m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim) == (30, 576, 9, 3, 64)
     assert m.tied_embeddings

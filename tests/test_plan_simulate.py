@@ -146,3 +146,16 @@ def test_schedule_matches_the_engine_scheduler_step_for_step():
                     if s.num_output_tokens >= s.max_tokens:
                         sch.remove(s)
         assert ours == theirs, (policy, blocks)
+
+
+def test_runs_at_different_rates_see_the_same_requests_closer_together():
+    slow, fast = (make_requests(r, 50, PROMPT, OUTPUT, offline_share=0.3, seed=9) for r in (1.0, 4.0))
+    assert [(r.prompt_len, r.output_len, r.offline) for r in slow] == [(r.prompt_len, r.output_len, r.offline) for r in fast]
+    assert all(f.arrival == pytest.approx(s.arrival / 4) for s, f in zip(slow, fast))
+
+
+def test_more_traffic_needs_at_least_as_many_replicas(saturation):
+    slo = SLO.parse("ttft_p99:2000,tpot_p99:100")
+    counts = [plan_capacity(COST, SCHED, Traffic(f * saturation, PROMPT, OUTPUT, num_requests=200), slo).replicas
+              for f in (0.5, 2.0, 6.0)]
+    assert counts == sorted(counts) and counts[-1] > counts[0]

@@ -167,7 +167,8 @@ def run_compare(args) -> dict:
         except ValueError as e:
             row["cost_unavailable"] = str(e)
         rows.append(row)
-    return {"command": "compare", "model": model_summary(resolve_model(args.model)), "workload": w,
+    first = deployment(args, hardware_list(args.hardware, cat)[0])
+    return {"command": "compare", "model": model_summary(first.model, first), "workload": w,
             "assumptions": {**a.as_dict(), "bw_eff": args.bw_eff, "compute_eff": args.compute_eff,
                             "throughput": "saturated replica in the simulator (the engine's scheduler)"},
             "rows": rows}
@@ -306,8 +307,16 @@ def run_calibrate(args, progress=None) -> dict:
     fit = fit_efficiency(base, shapes, [t.step_s for t in timings])
     rows = [{**t.row(), "batch": t.batch, "prompt_len": t.prompt_len, "predicted_s": p, "bound": b}
             for t, p, b in zip(timings, fit.predicted_s, fit.bound)]
+    warnings = []
+    if max(fit.bandwidth, fit.compute) >= 1.0:
+        warnings.append("a fitted efficiency is at or above 100% of the entry's peak: the entry understates this "
+                        "machine (re-run `plan probe`), or the timings are mostly per-step overhead")
+    if fit.mean_abs_rel_error > 0.15:
+        warnings.append(f"the fit misses the timings by {fit.mean_abs_rel_error:.0%} on average: timings this noisy "
+                        "usually mean other load on the machine; re-run on a quiet machine with more --repeats")
     out = {"command": "calibrate", "hardware": hw.name, "model": model_summary(model, base),
-           "engine": {"dtype": engine_dtype, "device": args.device}, "fit": fit.as_dict(), "rows": rows}
+           "engine": {"dtype": engine_dtype, "device": args.device}, "fit": fit.as_dict(), "rows": rows,
+           "warnings": warnings}
     if not args.no_validate:
         # Held-out: a mixed offline batch the fit never saw, simulated with the engine's own limits.
         lens = [16 + (i * 97) % 240 for i in range(args.validate_batch)]

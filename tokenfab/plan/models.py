@@ -197,8 +197,11 @@ def from_gguf(path: str) -> ModelSpec:
 def _from_gguf(path: str, mtime: float) -> ModelSpec:
     # GGUFReader parses every field, tokenizer arrays included (seconds for a 49k vocabulary): once per file.
     from gguf import GGUFReader
+    return spec_from_gguf_reader(GGUFReader(path), path)
 
-    r = GGUFReader(path)
+
+def spec_from_gguf_reader(r, path: str) -> ModelSpec:
+    """The ModelSpec of an open `gguf.GGUFReader`."""
     arch = _field(r, "general.architecture", "llama")
     need = lambda k: _field(r, f"{arch}.{k}")  # noqa: E731
     layers, hidden, heads = need("block_count"), need("embedding_length"), need("attention.head_count")

@@ -78,8 +78,11 @@ def compare_plot(path: str, title: str, rows: list[dict]) -> str:
     names = [r["hardware"] for r in rows]
     for ax, key, label in zip(axes, ("tok_s", "tok_s_per_w", "usd_per_m_output"),
                               ("output tok/s", "tok/s per W", "$ per million output tokens")):
-        vals = [r.get(key) or 0.0 for r in rows]
-        ax.bar(names, vals, color="tab:blue")
+        vals = [r.get(key) for r in rows]
+        ax.bar(names, [v or 0.0 for v in vals], color="tab:blue")
+        for i, v in enumerate(vals):
+            if v is None:       # no price or TDP in the catalog: say so rather than draw a zero
+                ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=8, color="gray")
         ax.set_title(label, fontsize=10)
         ax.tick_params(axis="x", rotation=45, labelsize=8)
         ax.grid(True, axis="y", alpha=0.3)

@@ -97,15 +97,19 @@ def compare(r: dict) -> None:
     for c in ("hardware", "TP", "max conc.", "TTFT ms", "1-stream tok/s", "out tok/s", "tok/s/W", "$/h",
               "$/M out", "$/M total"):
         t.add_column(c, justify="left" if c == "hardware" else "right")
+    misfits = []
     for row in r["rows"]:
         if not row["fits"]:
-            t.add_row(row["hardware"], "-", f"[red]does not fit[/]: {row['reason']}", *["-"] * 7)
+            t.add_row(row["hardware"], "[red]no fit[/]", *["-"] * 8)
+            misfits.append(f"{row['hardware']} does not fit: {row['reason']}")
             continue
         t.add_row(row["hardware"], str(row["tp"]), str(row["max_concurrent"]), _ms(row["ttft_s"]),
                   _num(row["single_stream_tok_s"]), _num(row["tok_s"], ",.0f"), _num(row.get("tok_s_per_w"), ",.2f"),
                   _num(row.get("usd_per_hour"), ",.2f") + (f" {row['pricing']}" if row.get("pricing") else ""),
                   _num(row.get("usd_per_m_output"), ",.3f"), _num(row.get("usd_per_m_total"), ",.3f"))
     console.print(t)
+    for line in misfits:
+        console.print(f"[red]{line}[/]")
     a = r["assumptions"]
     console.print(f"[dim]assumptions: {a['years']:g} years amortization, utilization {a['utilization']:.0%}, "
                   f"${a['usd_per_kwh']}/kWh, PUE {a['pue']}, extra ${a['extra_usd_per_hour']}/h per device, "
@@ -196,5 +200,7 @@ def calibrate(r: dict) -> None:
     if v := r.get("validation"):
         console.print(f"held-out mixed batch ({len(v['prompt_lens'])} prompts, {v['output_len']} tokens each): "
                       f"measured {v['measured_s']:.3f} s, simulated {v['predicted_s']:.3f} s ({v['error']:+.1%})")
+    for w in r.get("warnings", []):
+        console.print(f"[yellow]warning:[/] {w}")
     if r.get("written"):
         console.print(f"written to {r['written']}")

@@ -60,10 +60,12 @@ class Deployment:
     def make(cls, model: ModelSpec, hardware: Hardware, weight_dtype: str | None = None,
              kv_dtype: str | None = None, act_dtype: str | None = None, tp: int = 1,
              eff: Efficiency | None = None) -> "Deployment":
-        # Activations: the model's half-precision format where the hardware lists half precision
-        # (GPUs), else fp32 (CPUs without fast half-precision matmuls).
+        # Activations: the faster of the model's half-precision format and fp32 on this hardware
+        # (half on GPUs; fp32 on CPUs without native bf16/fp16 matmuls, ~50x slower there).
         half = model.default_dtype if model.default_dtype in ("bf16", "fp16") else "fp16"
-        act = act_dtype or (half if {"fp16", "bf16"} & set(hardware.tflops) else "fp32")
+        peaks = {d: hardware.tflops.get(d) or hardware.tflops.get({"bf16": "fp16", "fp16": "bf16"}.get(d, d)) or 0.0
+                 for d in (half, "fp32")}
+        act = act_dtype or max(peaks, key=lambda d: (peaks[d], d != "fp32"))
         act_t = parse_dtype(act)
         if act_t.group_size or act_t.name not in ("fp32", "bf16", "fp16", "fp8", "int8", "int4", "tf32"):
             raise ValueError(f"activation dtype must be a plain format (fp32, bf16, fp16, fp8, int8), got {act!r}")
@@ -175,7 +177,10 @@ def allreduce_s(dep: Deployment, nbytes: float) -> float:
 
 def step_time(dep: Deployment, shape: StepShape) -> StepTime:
     m, e = dep.model, dep.eff
-    flops = (2.0 * m.matmul_params_per_token * shape.num_tokens + m.attn_flops_per_pair * shape.attn_pairs) / dep.tp
+    # The LM head runs only where a token is sampled (once per sequence), not on every prompt token.
+    head = m.vocab * m.hidden
+    flops = (2.0 * ((m.matmul_params_per_token - head) * shape.num_tokens + head * shape.num_seqs)
+             + m.attn_flops_per_pair * shape.attn_pairs) / dep.tp
     # Weights stream once per step; KV is read for every context token and written for new ones.
     nbytes = (m.weight_bytes_read(dep.weight_dtype, shape.num_tokens) / dep.tp
               + dep.kv_bytes_per_token_per_device * (shape.kv_tokens + shape.num_tokens))
@@ -197,7 +202,8 @@ class RooflineCost:
         m, e, t = dep.model, dep.eff, dep.tp
         self._inv_compute = 1.0 / (dep.peak_flops * e.compute)
         self._inv_bw = 1.0 / (dep.hardware.bandwidth * e.bandwidth)
-        self._flops_tok = 2.0 * m.matmul_params_per_token / t
+        self._flops_tok = 2.0 * (m.matmul_params_per_token - m.vocab * m.hidden) / t
+        self._flops_seq = 2.0 * m.vocab * m.hidden / t
         self._flops_pair = m.attn_flops_per_pair / t
         self._kv = dep.kv_bytes_per_token_per_device
         self._dense_bytes = m.weight_bytes_read(dep.weight_dtype, 1) / t if not m.is_moe else 0.0
@@ -214,7 +220,8 @@ class RooflineCost:
         n = shape.num_tokens
         w = self._dense_bytes or self.dep.model.weight_bytes_read(self.dep.weight_dtype, n) / self.dep.tp
         mem = (w + self._kv * (shape.kv_tokens + n)) * self._inv_bw
-        comp = (self._flops_tok * n + self._flops_pair * shape.attn_pairs) * self._inv_compute
+        flops = self._flops_tok * n + self._flops_seq * shape.num_seqs + self._flops_pair * shape.attn_pairs
+        comp = flops * self._inv_compute
         comm = self._comm_fixed + self._comm_tok * n if self._comm_fixed else 0.0
         return (mem if mem > comp else comp) + comm + self._overhead
 
