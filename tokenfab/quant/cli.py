@@ -1,0 +1,192 @@
+"""`tokenfab quant`: write a quantized checkpoint, or measure a candidate against full precision.
+
+    tokenfab quant [MODEL] --scheme int4-g32 --out DIR [--calib FILE] [--keep-float lm_head,...]
+    tokenfab quant eval [--base MODEL] --candidate int8|gguf|DIR [--text FILE] [--ctx 512] [--json]
+
+One parser serves both forms (argparse cannot put an optional MODEL beside an `eval` sub-command):
+the first word `eval` selects evaluation, and options of the other form are refused by name.
+Registering the parser imports neither torch nor the quant modules.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EVAL_WORD = "eval"
+_WRITE_ONLY = ("scheme", "out", "calib", "calib_tokens")
+_EVAL_ONLY = ("base", "candidate", "text", "ctx", "max_windows", "plot", "sensitivity", "sensitivity_by")
+
+
+def add_parser(subs) -> None:
+    p = subs.add_parser(
+        "quant", help="quantize a model to a checkpoint folder, or evaluate quality against full precision",
+        usage="tokenfab quant [MODEL] --scheme SCHEME --out DIR [--calib FILE] [--keep-float NAMES]\n"
+              "       tokenfab quant eval [--base MODEL] --candidate MODEL_OR_SCHEME [--text FILE] [--ctx N] "
+              "[--json] [--plot PNG] [--sensitivity]",
+        description="Write: quantize MODEL's float weights (default: the bundled model) with SCHEME into a folder "
+                    "that `LLM(model=DIR)` and `tokenfab serve DIR` load. Eval: KL divergence, same top-1, Δp and "
+                    "perplexity of a candidate against the float base, as llama.cpp's perplexity tool reports them.")
+    p.add_argument("target", nargs="?", default=None, metavar="MODEL | eval",
+                   help="a .gguf file or HF folder to quantize (default: the bundled model), or the word eval")
+    w = p.add_argument_group("write a checkpoint")
+    w.add_argument("--scheme", help="int8, int4-g32, int4-g64, int4-g128 or awq-int4-g128 (int4 = int4-g32)")
+    w.add_argument("--out", help="folder to write (new, empty, or an earlier tokenfab checkpoint)")
+    w.add_argument("--calib", metavar="FILE", help="calibration text for AWQ schemes "
+                   "(default: the bundled text's calibration slice, disjoint from what eval scores)")
+    w.add_argument("--calib-tokens", type=int, default=None, help="calibration tokens for AWQ (default: 1024)")
+    e = p.add_argument_group("eval")
+    e.add_argument("--base", default=None, help="the full-precision model (default: the bundled model, run as float)")
+    e.add_argument("--candidate", help="a scheme name (quantizes the base now), gguf (the base file's blocks as "
+                   "shipped), or a model path such as a folder written by `tokenfab quant`")
+    e.add_argument("--text", metavar="FILE", help="evaluation text (default: the bundled human-written English)")
+    e.add_argument("--ctx", type=int, default=None, help="tokens per window (default: 512)")
+    e.add_argument("--max-windows", type=int, default=None,
+                   help="windows to score, 0 = all of the text (default: 2, about 1,000 tokens)")
+    e.add_argument("--plot", metavar="PNG", help="write a histogram of per-token KL")
+    e.add_argument("--sensitivity", action="store_true",
+                   help="add the per-layer table: KL on the first window when only that layer is quantized")
+    e.add_argument("--sensitivity-by", choices=("block", "linear", "kind"), default=None,
+                   help="what one row quantizes: a decoder block (default), one linear, or one kind (q/k/v...)")
+    c = p.add_argument_group("both")
+    c.add_argument("--keep-float", metavar="NAMES", default=None,
+                   help="comma-separated layer names or patterns kept in float, e.g. lm_head,layers.0 "
+                        "(replaces the default: embeddings and LM head)")
+    c.add_argument("--json", action="store_true", help="print the result as JSON")
+    c.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.set_defaults(func=cmd_quant)
+
+
+def _given(args, names) -> list[str]:
+    return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) not in (None, False)]
+
+
+def _keep_float(args) -> list[str] | None:
+    if args.keep_float is None:
+        return None
+    names = [n.strip() for n in args.keep_float.split(",") if n.strip()]
+    return names   # an empty list means: keep nothing float
+
+
+def cmd_quant(args) -> int:
+    from tokenfab.cli import CLIError
+
+    if args.target == EVAL_WORD:
+        wrong = _given(args, _WRITE_ONLY)
+        if wrong:
+            raise CLIError(f"{', '.join(wrong)} belong(s) to `tokenfab quant MODEL --scheme ... --out DIR`, not to eval")
+        return cmd_eval(args)
+    wrong = _given(args, _EVAL_ONLY)
+    if wrong:
+        raise CLIError(f"{', '.join(wrong)} belong(s) to `tokenfab quant eval`; write `tokenfab quant eval {wrong[0]} ...`")
+    return cmd_write(args)
+
+
+def _validate_scheme(name: str) -> str:
+    from tokenfab.quant.schemes import parse_scheme
+    return parse_scheme(name).name
+
+
+def _status():
+    """A spinner on stderr (stdout stays clean for --json) whose text the work updates."""
+    from rich.console import Console
+    return Console(stderr=True).status("starting", spinner="dots")
+
+
+def cmd_write(args) -> int:
+    from tokenfab.cli import CLIError
+    if not args.scheme or not args.out:
+        raise CLIError("writing a checkpoint needs --scheme (int8, int4-g32, int4-g64, int4-g128, awq-int4-g128) "
+                       "and --out DIR; to evaluate, use `tokenfab quant eval --candidate ...`")
+    scheme = _validate_scheme(args.scheme)
+    if args.calib_tokens is not None and args.calib_tokens < 2:
+        raise CLIError(f"--calib-tokens must be at least 2, got {args.calib_tokens}")
+    _threads(args)
+    from tokenfab.quant.export import DEFAULT_CALIB_TOKENS, quantize_to_folder
+    from tokenfab.quant.schemes import parse_scheme
+    if args.calib and not parse_scheme(scheme).awq:
+        print(f"note: --calib is only used by AWQ schemes; {scheme} is plain round-to-nearest", file=sys.stderr)
+    with _status() as status:
+        res = quantize_to_folder(args.target, scheme, args.out, calib_path=args.calib,
+                                 calib_tokens=args.calib_tokens or DEFAULT_CALIB_TOKENS,
+                                 keep_float=_keep_float(args), progress=status.update)
+    info = {"out": res.out, "scheme": res.scheme, "quantized_linears": res.quantized, "kept_float": res.kept_float,
+            "weight_bytes_before": res.float_bytes, "weight_bytes_after": res.quant_bytes,
+            "calib_tokens": res.calib_tokens, "seconds": round(res.seconds, 1)}
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    from rich.console import Console
+    Console().print(f"[bold]{res.scheme}[/]: {res.quantized} linears quantized "
+                    f"({res.float_bytes / 2**20:,.1f} MiB → {res.quant_bytes / 2**20:,.1f} MiB), kept float: "
+                    f"{', '.join(res.kept_float) or 'none'}; {res.seconds:.0f} s\nwrote {res.out} "
+                    f"(load it with LLM(model={res.out!r}) or `tokenfab serve {res.out}`)")
+    return 0
+
+
+def _threads(args) -> None:
+    if args.num_threads is not None:
+        if args.num_threads < 1:
+            raise ValueError(f"--num-threads must be a positive integer, got {args.num_threads}")
+        import torch
+        torch.set_num_threads(args.num_threads)
+
+
+def cmd_eval(args) -> int:
+    import os
+
+    from tokenfab.cli import CLIError
+    if not args.candidate:
+        raise CLIError("eval needs --candidate: a scheme (int8, int4-g32, ...), gguf, or a model path")
+    from tokenfab.quant.compare import DEFAULT_CTX, DEFAULT_MAX_WINDOWS, candidate_kind, evaluate
+    if candidate_kind(args.candidate) == "path" and not os.path.exists(os.path.expanduser(args.candidate)):
+        from tokenfab.quant.schemes import SCHEMES
+        raise CLIError(f"--candidate {args.candidate!r} is not a scheme ({', '.join(SCHEMES)}), not gguf, "
+                       "and not an existing model path")
+    ctx = DEFAULT_CTX if args.ctx is None else args.ctx
+    if ctx < 2:
+        raise CLIError(f"--ctx must be at least 2 tokens, got {ctx}")
+    max_windows = DEFAULT_MAX_WINDOWS if args.max_windows is None else args.max_windows
+    if max_windows < 0:
+        raise CLIError(f"--max-windows must be 0 (all) or positive, got {max_windows}")
+    if args.text and not os.path.isfile(args.text):
+        raise CLIError(f"--text {args.text}: no such file")
+    _threads(args)
+    with _status() as status:
+        res = evaluate(args.base, args.candidate, text=args.text, ctx=ctx, max_windows=max_windows,
+                       sensitivity=args.sensitivity, sensitivity_by=args.sensitivity_by or "block",
+                       keep_float=_keep_float(args), progress=status.update)
+    if args.plot:
+        from tokenfab.quant.eval import kl_histogram_png
+        kl_histogram_png(res.stats.kl, args.plot, title=f"KL(base ‖ {args.candidate}) per token, "
+                                                        f"{res.report.tokens} tokens")
+    if args.json:
+        print(json.dumps(res.as_dict(), indent=2))
+        return 0
+    _print_eval(res, args.plot)
+    return 0
+
+
+def _print_eval(res, plot: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    con.print(f"[bold]{res.candidate}[/] against the float base {res.base}: {res.windows} windows of {res.ctx} "
+              f"tokens, {res.seconds:.0f} s")
+    t = Table()
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for k, v in res.report.rows():
+        t.add_row(k, v)
+    con.print(t)
+    if res.sensitivity is not None:
+        s = Table(title=f"per-layer sensitivity: {res.sensitivity_scheme} on one group at a time (first window)")
+        for col in ("layers", "mean KL", "max KL", "same top-1"):
+            s.add_column(col, justify="left" if col == "layers" else "right")
+        for r in res.sensitivity:
+            s.add_row(r.name, f"{r.kl_mean:.6f}", f"{r.kl_max:.4f}", f"{r.same_top1_pct:.1f} %")
+        con.print(s)
+        con.print("the top rows are the candidates for --keep-float")
+    if plot:
+        con.print(f"KL histogram: {plot}")

@@ -1,0 +1,161 @@
+"""`tokenfab quant eval`: a candidate model against its full-precision base, on token windows of text.
+
+Both models run the engine's decoder through `full_logits` (every position of a window) over the
+same windows; the per-token statistics of all windows are pooled into one `QualityReport`
+(eval.py). Every position of a window but its last is scored, each from the window's earlier tokens.
+
+The candidate is one of:
+- a scheme name (`int8`, `int4-g32`, `awq-int4-g128`, ...): the base's float weights quantized now
+  (AWQ calibrates on the bundled text's calibration slice, disjoint from the evaluation windows);
+- `gguf`: the base GGUF file's blocks run as shipped;
+- a model path, e.g. a folder written by `tokenfab quant`: loaded as the engine would load it.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenfab.quant.eval import QualityReport, TokenStats, next_token_targets, summarize, token_stats
+from tokenfab.quant.schemes import ALIASES, SCHEMES, parse_scheme
+
+GGUF_CANDIDATE = "gguf"
+DEFAULT_CTX = 512
+DEFAULT_MAX_WINDOWS = 2       # ~1,000 scored tokens: a short default run; raise it for tighter error bars
+
+
+def candidate_kind(candidate: str) -> str:
+    """"scheme", "gguf" or "path" (anything else must exist on disk; the loader says so if not)."""
+    if candidate == GGUF_CANDIDATE:
+        return "gguf"
+    if candidate in SCHEMES or candidate in ALIASES:
+        return "scheme"
+    return "path"
+
+
+@dataclass
+class SensitivityRow:
+    name: str
+    kl_mean: float
+    kl_max: float
+    same_top1_pct: float
+
+
+@dataclass
+class EvalResult:
+    base: str
+    candidate: str
+    ctx: int
+    windows: int
+    report: QualityReport
+    stats: TokenStats = field(repr=False)
+    seconds: float = 0.0
+    sensitivity: list[SensitivityRow] | None = None
+    sensitivity_scheme: str | None = None
+
+    def as_dict(self) -> dict:
+        d = {"base": self.base, "candidate": self.candidate, "ctx": self.ctx, "windows": self.windows,
+             "seconds": round(self.seconds, 2), **self.report.as_dict()}
+        if self.sensitivity is not None:
+            d["sensitivity"] = {"scheme": self.sensitivity_scheme,
+                                "rows": [vars(r) for r in self.sensitivity]}
+        return d
+
+
+def _scheme_for_sensitivity(candidate: str, kind: str) -> str:
+    if kind == "scheme":
+        return parse_scheme(candidate).name
+    if kind == "path":
+        from tokenfab.quant.checkpoint import is_quantized_checkpoint, read_quant_config
+        scheme = read_quant_config(candidate).get("scheme") if is_quantized_checkpoint(candidate) else None
+        if scheme:
+            return scheme
+    raise ValueError(f"--sensitivity quantizes one layer at a time with a scheme; candidate {candidate!r} "
+                     "names none (use a scheme such as int4-g32, or a folder written by `tokenfab quant`)")
+
+
+def build_candidate(base_files, candidate: str, max_positions: int, calib_windows: Callable[[], list[list[int]]],
+                    keep_float: list[str] | None = None):
+    """The candidate model (float32 compute, CPU) for `candidate` (see the module docstring)."""
+    from tokenfab.quant.export import build_float_model, forward_windows
+
+    kind = candidate_kind(candidate)
+    if kind == "gguf":
+        return build_float_model(base_files, max_positions, "gguf")
+    if kind == "scheme":
+        from tokenfab.quant.apply import quantize_model
+        spec = parse_scheme(candidate)
+        model = build_float_model(base_files, max_positions, "none")
+        quantize_model(model, spec.name, keep_float, forward_windows(calib_windows()) if spec.awq else None)
+        return model
+    from tokenfab.model.loader import load_model_files
+    files = load_model_files(candidate)
+    if files.config.vocab_size != base_files.config.vocab_size:
+        raise ValueError(f"candidate {candidate} has a vocabulary of {files.config.vocab_size} tokens, the base "
+                         f"{base_files.config.vocab_size}; KL needs the same vocabulary")
+    return build_float_model(files, max_positions, "auto")
+
+
+def evaluate(base: str | None, candidate: str, *, text: str | None = None, ctx: int = DEFAULT_CTX,
+             max_windows: int | None = DEFAULT_MAX_WINDOWS, sensitivity: bool = False, sensitivity_by: str = "block",
+             keep_float: list[str] | None = None, base_files=None,
+             progress: Callable[[str], None] | None = None) -> EvalResult:
+    """Run the comparison. `base_files`: the base's files already read (tests reuse one read)."""
+    from tokenfab.model.llama import full_logits
+    from tokenfab.model.loader import load_model_files
+    from tokenfab.quant.export import build_float_model, calibration_windows
+    from tokenfab.quant.text import split_eval_calib, text_token_ids, token_windows
+
+    say = progress or (lambda _msg: None)
+    t0 = time.perf_counter()
+    kind = candidate_kind(candidate)
+    sens_scheme = _scheme_for_sensitivity(candidate, kind) if sensitivity else None
+    files = base_files or load_model_files(base)
+    ids = text_token_ids(files.tokenizer, text)
+    if text is None:
+        ids = split_eval_calib(ids)[0]      # the calibration slice stays unseen by evaluation
+    windows = token_windows(ids, ctx, max_windows)
+    say(f"base {files.path} (float), {len(windows)} windows of {ctx} tokens")
+    base_model = build_float_model(files, ctx + 1, "none")
+
+    def calib() -> list[list[int]]:
+        return calibration_windows(files.tokenizer, None, 1024)
+
+    say(f"candidate {candidate}")
+    cand_model = build_candidate(files, candidate, ctx + 1, calib, keep_float)
+    parts: list[TokenStats] = []
+    first_base_logits = None
+    for i, w in enumerate(windows):     # one window's logits at a time: [ctx, vocab] float32 each
+        say(f"window {i + 1}/{len(windows)}")
+        bl = full_logits(base_model, w)
+        first_base_logits = bl if i == 0 else first_base_logits
+        rows, targets = next_token_targets(torch.tensor(w))
+        parts.append(token_stats(bl[rows], full_logits(cand_model, w)[rows], targets))
+    del cand_model
+    stats = TokenStats(*(torch.cat([getattr(p, f) for p in parts]) for f in TokenStats.__dataclass_fields__))
+    result = EvalResult(files.path if base is None else base, candidate, ctx, len(windows), summarize(stats), stats)
+
+    if sensitivity:
+        result.sensitivity_scheme = sens_scheme
+        result.sensitivity = layer_table(base_model, windows[0], first_base_logits, sens_scheme, sensitivity_by,
+                                         calib if parse_scheme(sens_scheme).awq else None, say)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def layer_table(model, window: list[int], base_logits: torch.Tensor, scheme: str, by: str,
+                calib: Callable[[], list[list[int]]] | None, say: Callable[[str], None]) -> list[SensitivityRow]:
+    """KL on one window when only one group of linears (a decoder block by default) is quantized."""
+    from tokenfab.model.llama import full_logits
+    from tokenfab.quant.apply import DEFAULT_KEEP_FLOAT, linear_names, name_matches
+    from tokenfab.quant.awq import collect_activations
+    from tokenfab.quant.export import forward_windows
+    from tokenfab.quant.sensitivity import group_names, layer_sensitivity
+
+    names = [n for n in linear_names(model) if not any(name_matches(n, p) for p in DEFAULT_KEEP_FLOAT)]
+    stats = collect_activations(model, names, forward_windows(calib())) if calib else None
+    rows = layer_sensitivity(model, lambda m: full_logits(m, window), scheme, groups=group_names(names, by),
+                             base_logits=base_logits, calib_stats=stats, progress=lambda m: say(f"sensitivity {m}"))
+    return [SensitivityRow(r.name, r.kl_mean, r.kl_max, r.same_top1_pct) for r in rows]
