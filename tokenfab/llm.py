@@ -63,7 +63,9 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
              *, add_generation_prompt: bool = True, use_tqdm: bool = True, **template_kwargs) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not messages:
+            raise ValueError("messages must be a non-empty list of {role, content} objects")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt=add_generation_prompt, **template_kwargs) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

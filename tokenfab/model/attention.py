@@ -8,6 +8,11 @@ token's slot is `block_id * block_size + offset` and writes are one `index_copy_
 
 The portable torch backend gathers each sequence's blocks and calls `scaled_dot_product_attention`.
 It runs on CPU and CUDA; faster backends must agree with it in tests.
+
+int8 KV cache (`kv_cache_dtype="int8"`): a layer's K and V pools are `Int8KVCache`s, int8 values plus
+a float32 scale per token and head (symmetric, scale = max|x| / 127 over the head's dims). Writes
+quantize, gathers dequantize to the compute dtype, and a prefill attends to its own new tokens as
+stored (quantized too), so a token reads the same K/V whatever the chunking or prefix-cache hits.
 """
 from __future__ import annotations
 
@@ -35,6 +40,40 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
 
 
+KV_SCALE_BYTES = 4        # one float32 scale per token and head, for K and for V (int8 cache)
+
+
+@dataclass(slots=True)
+class Int8KVCache:
+    """One layer's K (or V) pool stored as int8, with a float32 scale per token and head."""
+    data: torch.Tensor        # [num_blocks, block_size, num_kv_heads, head_dim] int8
+    scale: torch.Tensor       # [num_blocks, block_size, num_kv_heads] float32
+    dtype: torch.dtype        # the compute dtype gathered values come back in
+
+
+def kv_int8_bytes_per_token(cfg) -> int:
+    """int8 K/V plus one float32 scale per token and head, for K and V, in every layer."""
+    return cfg.kv_bytes_per_token(1) + 2 * cfg.num_layers * cfg.num_kv_heads * KV_SCALE_BYTES
+
+
+def kv_bytes_per_token(cfg, kv_dtype: torch.dtype) -> int:
+    """What one token costs in the KV pool for a pool element type (torch.int8: the int8 cache)."""
+    if kv_dtype == torch.int8:
+        return kv_int8_bytes_per_token(cfg)
+    return cfg.kv_bytes_per_token(torch.tensor([], dtype=kv_dtype).element_size())
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] -> (int8 [..., D], float32 scale [...]): symmetric, max|x| maps to 127."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp_min(1e-30) / 127    # an all-zero head stores zeros
+    return torch.round(xf / scale[..., None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[..., None]).to(dtype)
+
+
 class TorchPagedAttention:
     """Portable backend: gather the context's blocks, then SDPA with the causal offset."""
 
@@ -43,18 +82,32 @@ class TorchPagedAttention:
         self.block_size = block_size
         self.scale = head_dim ** -0.5
 
-    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
+    def write_kv(self, k_cache: torch.Tensor | Int8KVCache, v_cache: torch.Tensor | Int8KVCache,
+                 k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' K/V; returns them as the cache will give them back."""
         kvh, hd = self.num_kv_heads, self.head_dim
+        if isinstance(k_cache, Int8KVCache):
+            return self._write_int8(k_cache, k, meta), self._write_int8(v_cache, v, meta)
         k_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        return k, v
+
+    def _write_int8(self, cache: Int8KVCache, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, scale = quantize_kv(x)
+        cache.data.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, q)
+        cache.scale.view(-1, self.num_kv_heads).index_copy_(0, meta.slot_mapping, scale)
+        return dequantize_kv(q, scale, x.dtype)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens. Returns [T, H, D]."""
-        self.write_kv(k_cache, v_cache, k, v, meta)
-        out = torch.empty_like(q)
+        k, v = self.write_kv(k_cache, v_cache, k, v, meta)
         nd = meta.num_decode_tokens
+        if not meta.prefills:                      # all decodes: the common step, no scatter
+            return self._decode(q, k_cache, v_cache, meta)
+        if nd == 0 and len(meta.prefills) == 1:    # one prefill chunk alone
+            return self._prefill(q, k, v, k_cache, v_cache, meta.prefills[0])
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
         for p in meta.prefills:
@@ -62,8 +115,13 @@ class TorchPagedAttention:
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, p)
         return out
 
-    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    def _gather(self, cache: torch.Tensor | Int8KVCache, block_table: torch.Tensor, length: int) -> torch.Tensor:
         # [..., nblocks] -> [..., nblocks * block_size, KVH, D], cut to length
+        if isinstance(cache, Int8KVCache):
+            lead = block_table.shape[:-1]
+            q = cache.data[block_table].reshape(*lead, -1, self.num_kv_heads, self.head_dim)[..., :length, :, :]
+            s = cache.scale[block_table].reshape(*lead, -1, self.num_kv_heads)[..., :length, :]
+            return dequantize_kv(q, s, cache.dtype)
         g = cache[block_table]
         return g.reshape(*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)[..., :length, :, :]
 
