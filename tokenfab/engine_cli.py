@@ -117,18 +117,21 @@ def cmd_chat(args) -> int:
 def cmd_info(args) -> int:
     import json
 
+    from tokenfab.model.attention import kv_int8_bytes_per_token
     from tokenfab.model.loader import load_model_files
     files = load_model_files(args.model)
     cfg = files.config
     fp32 = cfg.kv_bytes_per_token(4)
+    kv_bytes = {"float32": fp32, "bfloat16": cfg.kv_bytes_per_token(2), "int8": kv_int8_bytes_per_token(cfg)}
     info = {
         "path": files.path, "name": cfg.name, "architecture": cfg.arch, "parameters": cfg.num_params(),
         "layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
         "context_length": cfg.max_position_embeddings, "rope_theta": cfg.rope_theta,
         "tied_embeddings": cfg.tie_word_embeddings, "file_tensor_types": files.file_dtypes,
-        "kv_bytes_per_token": {"float32": fp32, "bfloat16": cfg.kv_bytes_per_token(2),
-                               "int8": kv_int8_bytes_per_token(cfg)},
+        "kv_bytes_per_token": kv_bytes,
+        # what a --kv-cache-memory of 1 GiB holds (the engine sizes its block pool the same way)
+        "kv_tokens_per_gib": {d: (1 << 30) // b for d, b in kv_bytes.items()},
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -143,13 +146,11 @@ def cmd_info(args) -> int:
             v = f"{v:,} ({v / 1e6:.1f} M)"
         elif k == "kv_bytes_per_token":
             v = ", ".join(f"{d}: {b:,} B" for d, b in v.items())
+        elif k == "kv_tokens_per_gib":
+            v = ", ".join(f"{d}: {n:,}" for d, n in v.items())
         elif k == "file_tensor_types":
             v = ", ".join(f"{d} x{n}" for d, n in v.items())
         t.add_row(k.replace("_", " "), str(v))
     Console().print(t)
     return 0
 
-
-def kv_int8_bytes_per_token(cfg) -> int:
-    """int8 K/V plus one float32 scale per token and head, for K and V, in every layer."""
-    return cfg.kv_bytes_per_token(1) + 2 * cfg.num_layers * cfg.num_kv_heads * 4

@@ -18,6 +18,7 @@ from tokenfab.engine.runner import ModelRunner
 from tokenfab.engine.sampler import Sampler, SampleRow
 from tokenfab.engine.scheduler import Scheduler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
+from tokenfab.model.attention import kv_bytes_per_token
 from tokenfab.model.llama import build_model
 from tokenfab.model.loader import LoadedModel, load_model_files
 from tokenfab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -72,8 +73,9 @@ class LLMEngine:
         self.dtype = _DTYPES[config.dtype]
         max_len = config.max_model_len or mcfg.max_position_embeddings
 
-        kv_dtype = self.dtype
-        self.kv_bytes_per_token = mcfg.kv_bytes_per_token(torch.tensor([], dtype=kv_dtype).element_size())
+        # int8: values plus a float32 scale per token and head (counted, so int8 holds ~1.9x bf16's tokens)
+        kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
+        self.kv_bytes_per_token = kv_bytes_per_token(mcfg, kv_dtype)
         block_bytes = self.kv_bytes_per_token * config.block_size
         if config.num_kv_blocks:
             num_blocks = config.num_kv_blocks

@@ -12,7 +12,7 @@ import torch
 
 from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.engine.sequence import Sequence
-from tokenfab.model.attention import AttentionMetadata, PrefillChunk
+from tokenfab.model.attention import AttentionMetadata, Int8KVCache, PrefillChunk
 
 
 @dataclass(slots=True)
@@ -26,11 +26,18 @@ class StepInput:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str):
+        """kv_dtype torch.int8: the int8 KV cache (values plus a float32 scale per token and head)."""
         cfg = model.config
         self.model, self.device, self.block_size = model, device, block_size
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv = torch.zeros(shape, dtype=kv_dtype, device=device)
-        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
+        if kv_dtype == torch.int8:
+            self.kv_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+            compute = model.embed_tokens.weight.dtype
+            self.kv_caches = [tuple(Int8KVCache(self.kv[i, j], self.kv_scales[i, j], compute) for j in (0, 1))
+                              for i in range(cfg.num_layers)]
+        else:
+            self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
 
     def prepare(self, batch: ScheduledBatch) -> StepInput:
         bs = self.block_size
