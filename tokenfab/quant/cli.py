@@ -15,7 +15,8 @@ import sys
 
 EVAL_WORD = "eval"
 _WRITE_ONLY = ("scheme", "out", "calib", "calib_tokens")
-_EVAL_ONLY = ("base", "candidate", "text", "ctx", "max_windows", "plot", "sensitivity", "sensitivity_by")
+_EVAL_ONLY = ("base", "candidate", "text", "ctx", "max_windows", "plot", "sensitivity", "sensitivity_by",
+              "kv_cache_dtype")
 
 
 def add_parser(subs) -> None:
@@ -38,7 +39,10 @@ def add_parser(subs) -> None:
     e = p.add_argument_group("eval")
     e.add_argument("--base", default=None, help="the full-precision model (default: the bundled model, run as float)")
     e.add_argument("--candidate", help="a scheme name (quantizes the base now), gguf (the base file's blocks as "
-                   "shipped), or a model path such as a folder written by `tokenfab quant`")
+                   "shipped), none (float weights; with --kv-cache-dtype int8), or a model path such as a folder "
+                   "written by `tokenfab quant`")
+    e.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default=None,
+                   help="int8: the candidate attends over the int8 KV cache (default: auto, float)")
     e.add_argument("--text", metavar="FILE", help="evaluation text (default: the bundled human-written English)")
     e.add_argument("--ctx", type=int, default=None, help="tokens per window (default: 512)")
     e.add_argument("--max-windows", type=int, default=None,
@@ -141,7 +145,7 @@ def cmd_eval(args) -> int:
     from tokenfab.quant.compare import DEFAULT_CTX, DEFAULT_MAX_WINDOWS, candidate_kind, evaluate
     if candidate_kind(args.candidate) == "path" and not os.path.exists(os.path.expanduser(args.candidate)):
         from tokenfab.quant.schemes import SCHEMES
-        raise CLIError(f"--candidate {args.candidate!r} is not a scheme ({', '.join(SCHEMES)}), not gguf, "
+        raise CLIError(f"--candidate {args.candidate!r} is not a scheme ({', '.join(SCHEMES)}), not gguf or none, "
                        "and not an existing model path")
     ctx = DEFAULT_CTX if args.ctx is None else args.ctx
     if ctx < 2:
@@ -155,7 +159,8 @@ def cmd_eval(args) -> int:
     with _status() as status:
         res = evaluate(args.base, args.candidate, text=args.text, ctx=ctx, max_windows=max_windows,
                        sensitivity=args.sensitivity, sensitivity_by=args.sensitivity_by or "block",
-                       keep_float=_keep_float(args), progress=status.update)
+                       keep_float=_keep_float(args), kv_cache_dtype=args.kv_cache_dtype or "auto",
+                       progress=status.update)
     if args.plot:
         from tokenfab.quant.eval import kl_histogram_png
         kl_histogram_png(res.stats.kl, args.plot, title=f"KL(base ‖ {args.candidate}) per token, "
@@ -172,7 +177,8 @@ def _print_eval(res, plot: str | None) -> None:
     from rich.table import Table
 
     con = Console()
-    con.print(f"[bold]{res.candidate}[/] against the float base {res.base}: {res.windows} windows of {res.ctx} "
+    kv = " with the int8 KV cache" if res.kv_cache_dtype == "int8" else ""
+    con.print(f"[bold]{res.candidate}[/]{kv} against the float base {res.base}: {res.windows} windows of {res.ctx} "
               f"tokens, {res.seconds:.0f} s")
     t = Table()
     t.add_column("metric")

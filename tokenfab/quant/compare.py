@@ -8,7 +8,11 @@ The candidate is one of:
 - a scheme name (`int8`, `int4-g32`, `awq-int4-g128`, ...): the base's float weights quantized now
   (AWQ calibrates on the bundled text's calibration slice, disjoint from the evaluation windows);
 - `gguf`: the base GGUF file's blocks run as shipped;
+- `none`: the base's float weights again (with `kv_cache_dtype="int8"`: the int8 KV cache alone);
 - a model path, e.g. a folder written by `tokenfab quant`: loaded as the engine would load it.
+
+`kv_cache_dtype="int8"` runs the candidate's attention over the int8 KV cache (attention.py), so its
+cost shows on its own (candidate `none`) or on top of a weight scheme.
 """
 from __future__ import annotations
 
@@ -22,14 +26,17 @@ from tokenfab.quant.eval import QualityReport, TokenStats, next_token_targets, s
 from tokenfab.quant.schemes import ALIASES, SCHEMES, parse_scheme
 
 GGUF_CANDIDATE = "gguf"
+FLOAT_CANDIDATE = "none"
 DEFAULT_CTX = 512
 DEFAULT_MAX_WINDOWS = 2       # ~1,000 scored tokens: a short default run; raise it for tighter error bars
 
 
 def candidate_kind(candidate: str) -> str:
-    """"scheme", "gguf" or "path" (anything else must exist on disk; the loader says so if not)."""
+    """"scheme", "gguf", "float" or "path" (anything else must exist on disk; the loader says so if not)."""
     if candidate == GGUF_CANDIDATE:
         return "gguf"
+    if candidate == FLOAT_CANDIDATE:
+        return "float"
     if candidate in SCHEMES or candidate in ALIASES:
         return "scheme"
     return "path"
@@ -47,6 +54,7 @@ class SensitivityRow:
 class EvalResult:
     base: str
     candidate: str
+    kv_cache_dtype: str
     ctx: int
     windows: int
     report: QualityReport
@@ -56,7 +64,7 @@ class EvalResult:
     sensitivity_scheme: str | None = None
 
     def as_dict(self) -> dict:
-        d = {"base": self.base, "candidate": self.candidate, "ctx": self.ctx, "windows": self.windows,
+        d = {"base": self.base, "candidate": self.candidate, "kv_cache_dtype": self.kv_cache_dtype, "ctx": self.ctx, "windows": self.windows,
              "seconds": round(self.seconds, 2), **self.report.as_dict()}
         if self.sensitivity is not None:
             d["sensitivity"] = {"scheme": self.sensitivity_scheme,
@@ -82,8 +90,8 @@ def build_candidate(base_files, candidate: str, max_positions: int, calib_window
     from tokenfab.quant.export import build_float_model, forward_windows
 
     kind = candidate_kind(candidate)
-    if kind == "gguf":
-        return build_float_model(base_files, max_positions, "gguf")
+    if kind in ("gguf", "float"):
+        return build_float_model(base_files, max_positions, "gguf" if kind == "gguf" else "none")
     if kind == "scheme":
         from tokenfab.quant.apply import quantize_model
         spec = parse_scheme(candidate)
@@ -100,7 +108,7 @@ def build_candidate(base_files, candidate: str, max_positions: int, calib_window
 
 def evaluate(base: str | None, candidate: str, *, text: str | None = None, ctx: int = DEFAULT_CTX,
              max_windows: int | None = DEFAULT_MAX_WINDOWS, sensitivity: bool = False, sensitivity_by: str = "block",
-             keep_float: list[str] | None = None, base_files=None,
+             keep_float: list[str] | None = None, kv_cache_dtype: str = "auto", base_files=None,
              progress: Callable[[str], None] | None = None) -> EvalResult:
     """Run the comparison. `base_files`: the base's files already read (tests reuse one read)."""
     from tokenfab.model.llama import full_logits
@@ -108,6 +116,8 @@ def evaluate(base: str | None, candidate: str, *, text: str | None = None, ctx: 
     from tokenfab.quant.export import build_float_model, calibration_windows
     from tokenfab.quant.text import split_eval_calib, text_token_ids, token_windows
 
+    if kv_cache_dtype not in ("auto", "int8"):
+        raise ValueError(f"kv_cache_dtype must be auto or int8, got {kv_cache_dtype!r}")
     say = progress or (lambda _msg: None)
     t0 = time.perf_counter()
     kind = candidate_kind(candidate)
@@ -132,10 +142,11 @@ def evaluate(base: str | None, candidate: str, *, text: str | None = None, ctx: 
         bl = full_logits(base_model, w)
         first_base_logits = bl if i == 0 else first_base_logits
         rows, targets = next_token_targets(torch.tensor(w))
-        parts.append(token_stats(bl[rows], full_logits(cand_model, w)[rows], targets))
+        cl = full_logits_int8_kv(cand_model, w) if kv_cache_dtype == "int8" else full_logits(cand_model, w)
+        parts.append(token_stats(bl[rows], cl[rows], targets))
     del cand_model
     stats = TokenStats(*(torch.cat([getattr(p, f) for p in parts]) for f in TokenStats.__dataclass_fields__))
-    result = EvalResult(files.path if base is None else base, candidate, ctx, len(windows), summarize(stats), stats)
+    result = EvalResult(files.path if base is None else base, candidate, kv_cache_dtype, ctx, len(windows), summarize(stats), stats)
 
     if sensitivity:
         result.sensitivity_scheme = sens_scheme
@@ -159,3 +170,24 @@ def layer_table(model, window: list[int], base_logits: torch.Tensor, scheme: str
     rows = layer_sensitivity(model, lambda m: full_logits(m, window), scheme, groups=group_names(names, by),
                              base_logits=base_logits, calib_stats=stats, progress=lambda m: say(f"sensitivity {m}"))
     return [SensitivityRow(r.name, r.kl_mean, r.kl_max, r.same_top1_pct) for r in rows]
+
+
+@torch.inference_mode()
+def full_logits_int8_kv(model, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """As `llama.full_logits`, with the attention reading an int8 KV cache (one prefill chunk; the
+    new tokens' K/V are attended to as stored, so this equals chunk-by-chunk serving)."""
+    from tokenfab.model.attention import AttentionMetadata, Int8KVCache, PrefillChunk
+
+    cfg = model.config
+    dev, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    T = len(token_ids)
+    nblocks = -(-T // block_size)
+    data = torch.zeros(cfg.num_layers, 2, nblocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                       dtype=torch.int8, device=dev)
+    scales = torch.zeros(data.shape[:-1], dtype=torch.float32, device=dev)
+    caches = [tuple(Int8KVCache(data[i, j], scales[i, j], dtype) for j in (0, 1)) for i in range(cfg.num_layers)]
+    meta = AttentionMetadata(slot_mapping=torch.arange(T, device=dev), num_decode_tokens=0,
+                             decode_block_tables=None, decode_context_lens=None, decode_max_context=0,
+                             prefills=[PrefillChunk(0, T, T, torch.arange(nblocks, device=dev))])
+    positions = torch.arange(T, device=dev)
+    return model(torch.tensor(token_ids, device=dev), positions, caches, meta, positions)
