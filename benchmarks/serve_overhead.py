@@ -1,6 +1,6 @@
 """What HTTP costs: `tokenfab serve` against the offline engine doing the same work, on the bundled model.
 
-For each concurrency level (default 1, 8, 32) the same requests run twice:
+For each concurrency level (default 1, 8, 32) the same requests run twice, back to back:
   1. through the server (a `tokenfab serve` subprocess on a free port), streamed by `tokenfab bench`'s
      client, with that many requests in flight;
   2. through LLMEngine in this process, keeping the same number of requests in flight.
@@ -12,14 +12,21 @@ Printed per level: output tok/s and median TTFT for each, and server / offline a
 """
 from __future__ import annotations
 
-import argparse
-import asyncio
 import os
-import re
-import statistics
-import subprocess
-import sys
-import time
+
+# OpenMP threads spin while they wait for work. On a CPU shared with other jobs, that spinning made
+# main-thread engine steps 5-20x slower than the same steps in a worker thread (the server's layout):
+# 85 ms vs 450-2000 ms per step on a loaded 2-core box. Passive waiting makes both sides comparable,
+# so the ratios below measure HTTP, not OpenMP. Set before torch loads; the server inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -97,36 +104,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests-per-level", type=int, default=0,
-                    help="requests per level (default: 2 x concurrency, at least 4)")
-    ap.add_argument("--output-tokens", type=int, default=32)
+                    help="requests per level (default: the concurrency, at least 3)")
+    ap.add_argument("--output-tokens", type=int, default=24)
     ap.add_argument("--max-model-len", type=int, default=1024)
     args = ap.parse_args()
-    engine_flags = ["--max-model-len", str(args.max_model_len)]
-    levels = {c: prompts(args.requests_per_level or max(4, 2 * c)) for c in args.concurrency}
-    console = Console()
+    levels = {c: prompts(args.requests_per_level or max(3, c)) for c in args.concurrency}
+    console = Console(width=120)   # the table stays whole when piped to a file
 
-    console.print("[bold]server[/bold]: starting tokenfab serve ...")
-    proc, url = start_server(engine_flags)
-    server = {}
-    try:
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        asyncio.run(run_server_level(url, model, prompts(2), 4, 1))      # warm-up, not counted
-        for c, texts in levels.items():
-            server[c] = asyncio.run(run_server_level(url, model, texts, args.output_tokens, c))
-            console.print(f"  concurrency {c}: {server[c]['tok_s']:.1f} tok/s, TTFT {server[c]['ttft_ms']:.0f} ms")
-    finally:
-        proc.terminate()
-        proc.wait(60)
-
-    console.print("[bold]offline[/bold]: loading the engine in-process ...")
+    # Both engines are loaded first and each level runs on one right after the other, so a machine
+    # whose load drifts (a shared box) skews both sides of a ratio alike. The idle server uses no CPU.
+    console.print("loading the engine in-process and starting tokenfab serve ...")
     from tokenfab.config import EngineConfig
     from tokenfab.engine.engine import LLMEngine
     engine = LLMEngine(EngineConfig(max_model_len=args.max_model_len))
-    run_offline_level(engine, prompts(2), 4, 1)                             # warm-up, not counted
-    offline = {}
-    for c, texts in levels.items():
-        offline[c] = run_offline_level(engine, texts, args.output_tokens, c)
-        console.print(f"  concurrency {c}: {offline[c]['tok_s']:.1f} tok/s, TTFT {offline[c]['ttft_ms']:.0f} ms")
+    proc, url = start_server(["--max-model-len", str(args.max_model_len)])
+    server, offline = {}, {}
+    try:
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        asyncio.run(run_server_level(url, model, prompts(2), 4, 1))      # warm-ups, not counted
+        run_offline_level(engine, prompts(2), 4, 1)
+        for c, texts in levels.items():
+            server[c] = asyncio.run(run_server_level(url, model, texts, args.output_tokens, c))
+            offline[c] = run_offline_level(engine, texts, args.output_tokens, c)
+            console.print(f"  concurrency {c}: server {server[c]['tok_s']:.1f} tok/s, TTFT {server[c]['ttft_ms']:.0f} ms;"
+                          f" offline {offline[c]['tok_s']:.1f} tok/s, TTFT {offline[c]['ttft_ms']:.0f} ms")
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
     table = Table(title=f"tokenfab serve vs the offline engine ({args.output_tokens} output tokens per request)")
     for col in ["concurrency", "requests", "server tok/s", "offline tok/s", "tok/s ratio",
