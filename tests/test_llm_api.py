@@ -128,3 +128,22 @@ def test_cli_bad_input_is_one_line_and_nonzero(tiny_dir):
     assert "max_tokens" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("info", "/no/such/model.gguf")
     assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_failing_sequence_ends_alone_with_an_error(tiny):
+    eng = tiny.engine
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    eng.add_request("good", [5, 6, 7], params)
+    eng.add_request("bad", [5, 6, 8], params)
+
+    def broken(new_ids):
+        raise RuntimeError("detokenizer exploded")
+
+    eng.requests["bad"][0].detokenizer.step = broken
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert outs["bad"].outputs[0].finish_reason == "error" and "exploded" in outs["bad"].error
+    assert outs["good"].outputs[0].finish_reason == "length" and len(outs["good"].outputs[0].token_ids) == 4
+    assert eng.block_manager.num_used_blocks() == 0

@@ -103,6 +103,7 @@ class LLMEngine:
         self.prompts: dict[str, str | None] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.errors: dict[str, str] = {}      # request id -> why it failed, until its output is returned
 
     # -- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -155,6 +156,7 @@ class LLMEngine:
         """Stop a request now and free its blocks. Unknown or finished ids are ignored."""
         seqs = self.requests.pop(request_id, None)
         self.prompts.pop(request_id, None)
+        self.errors.pop(request_id, None)
         if seqs is None:
             return False
         for seq in seqs:
@@ -192,7 +194,13 @@ class LLMEngine:
         now = time.monotonic()
         touched: dict[str, None] = {}
         for seq, tok in zip(step.sampling_seqs, sampled):
-            self._append_token(seq, tok, now)
+            try:
+                self._append_token(seq, tok, now)
+            except Exception as e:  # e.g. a tokenizer failure: end this sequence, not the batch
+                log.exception("request %s failed in postprocessing", seq.request_id)
+                self.errors[seq.request_id] = f"{type(e).__name__}: {e}"
+                seq.status = SequenceStatus.FINISHED_ERROR
+                self.scheduler.remove(seq)
             touched[seq.request_id] = None
         return [self._request_output(rid) for rid in touched]
 
@@ -243,6 +251,7 @@ class LLMEngine:
         if finished:
             del self.requests[request_id]
             self.prompts.pop(request_id, None)
+            out.error = self.errors.pop(request_id, None)
         return out
 
     # -- introspection ---------------------------------------------------------------------
