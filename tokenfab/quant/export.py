@@ -97,8 +97,10 @@ class ExportResult:
 
 def quantize_to_folder(model: str | None, scheme: str, out: str, *, calib_path: str | None = None,
                        calib_tokens: int = DEFAULT_CALIB_TOKENS, keep_float: Sequence[str] | None = None,
-                       progress: Callable[[str], None] | None = None) -> ExportResult:
-    """Load `model` (None: the bundled one) as float, quantize with `scheme`, write the folder."""
+                       progress: Callable[[str], None] | None = None, files=None) -> ExportResult:
+    """Load `model` (None: the bundled one) as float, quantize with `scheme`, write the folder.
+
+    `files`: `model`'s files already read by `load_model_files` (tests reuse one read)."""
     from tokenfab.model.loader import load_model_files
     from tokenfab.quant.apply import quantize_model
     from tokenfab.quant.checkpoint import is_quantized_checkpoint, save_quantized
@@ -106,7 +108,7 @@ def quantize_to_folder(model: str | None, scheme: str, out: str, *, calib_path: 
     spec = parse_scheme(scheme)
     _check_out_dir(out)
     t0 = time.perf_counter()
-    files = load_model_files(model)
+    files = files or load_model_files(model)
     if is_quantized_checkpoint(files.path):
         raise ValueError(f"{files.path} is already a quantized checkpoint; quantize its float source instead")
     windows: list[list[int]] = []
