@@ -31,21 +31,21 @@ def add_parser(subs) -> None:
     p.add_argument("target", nargs="?", default=None, metavar="MODEL | eval",
                    help="a .gguf file or HF folder to quantize (default: the bundled model), or the word eval")
     w = p.add_argument_group("write a checkpoint")
-    w.add_argument("--scheme", help="int8, int4-g32, int4-g64, int4-g128 or awq-int4-g128 (int4 = int4-g32)")
-    w.add_argument("--out", help="folder to write (new, empty, or an earlier tokenfab checkpoint)")
+    w.add_argument("--scheme", metavar="SCHEME", help="int8, int4-g32, int4-g64, int4-g128 or awq-int4-g128 (int4 = int4-g32)")
+    w.add_argument("--out", metavar="DIR", help="folder to write (new, empty, or an earlier tokenfab checkpoint)")
     w.add_argument("--calib", metavar="FILE", help="calibration text for AWQ schemes "
                    "(default: the bundled text's calibration slice, disjoint from what eval scores)")
-    w.add_argument("--calib-tokens", type=int, default=None, help="calibration tokens for AWQ (default: 1024)")
+    w.add_argument("--calib-tokens", type=int, metavar="N", default=None, help="calibration tokens for AWQ (default: 1024)")
     e = p.add_argument_group("eval")
-    e.add_argument("--base", default=None, help="the full-precision model (default: the bundled model, run as float)")
-    e.add_argument("--candidate", help="a scheme name (quantizes the base now), gguf (the base file's blocks as "
+    e.add_argument("--base", default=None, metavar="MODEL", help="the full-precision model (default: the bundled model, run as float)")
+    e.add_argument("--candidate", metavar="MODEL_OR_SCHEME", help="a scheme name (quantizes the base now), gguf (the base file's blocks as "
                    "shipped), none (float weights; with --kv-cache-dtype int8), or a model path such as a folder "
                    "written by `tokenfab quant`")
     e.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default=None,
                    help="int8: the candidate attends over the int8 KV cache (default: auto, float)")
     e.add_argument("--text", metavar="FILE", help="evaluation text (default: the bundled human-written English)")
-    e.add_argument("--ctx", type=int, default=None, help="tokens per window (default: 512)")
-    e.add_argument("--max-windows", type=int, default=None,
+    e.add_argument("--ctx", type=int, metavar="N", default=None, help="tokens per window (default: 512)")
+    e.add_argument("--max-windows", type=int, metavar="N", default=None,
                    help="windows to score, 0 = all of the text (default: 2, about 1,000 tokens)")
     e.add_argument("--plot", metavar="PNG", help="write a histogram of per-token KL")
     e.add_argument("--sensitivity", action="store_true",
@@ -57,7 +57,7 @@ def add_parser(subs) -> None:
                    help="comma-separated layer names or patterns kept in float, e.g. lm_head,layers.0 "
                         "(replaces the default: embeddings and LM head)")
     c.add_argument("--json", action="store_true", help="print the result as JSON")
-    c.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    c.add_argument("--num-threads", type=int, metavar="N", default=None, help="torch intra-op threads (default: torch's choice)")
     p.set_defaults(func=cmd_quant)
 
 
