@@ -57,9 +57,9 @@ def test_eval_sensitivity_table_has_one_row_per_group(reuse_bundled_files, capsy
 
 
 def test_eval_table_output_names_the_metrics(reuse_bundled_files, capsys):
-    assert main(["quant", "eval", "--candidate", "gguf", "--ctx", "32", "--max-windows", "1"]) == 0
+    assert main(["quant", "eval", "--candidate", "gguf", "--kernel", "packed", "--ctx", "32", "--max-windows", "1"]) == 0
     out = capsys.readouterr().out
-    assert "mean KL" in out and "same top-1" in out and "PPL ratio" in out
+    assert "mean KL" in out and "same top-1" in out and "PPL ratio" in out and "packed kernels" in out
 
 
 def test_quant_writes_a_checkpoint_folder_and_reports_json(reuse_bundled_files, capsys, tmp_path):

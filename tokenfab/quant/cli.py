@@ -16,7 +16,7 @@ import sys
 EVAL_WORD = "eval"
 _WRITE_ONLY = ("scheme", "out", "calib", "calib_tokens")
 _EVAL_ONLY = ("base", "candidate", "text", "ctx", "max_windows", "plot", "sensitivity", "sensitivity_by",
-              "kv_cache_dtype")
+              "kv_cache_dtype", "kernel")
 
 
 def add_parser(subs) -> None:
@@ -43,6 +43,9 @@ def add_parser(subs) -> None:
                    "written by `tokenfab quant`")
     e.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default=None,
                    help="int8: the candidate attends over the int8 KV cache (default: auto, float)")
+    e.add_argument("--kernel", choices=("auto", "packed", "dequant"), default=None,
+                   help="quantized layers' path: auto (by token count; whole windows dequantize, so the numbers "
+                        "are the weights' error), packed (the CPU kernels decode uses, bf16 activations) or dequant")
     e.add_argument("--text", metavar="FILE", help="evaluation text (default: the bundled human-written English)")
     e.add_argument("--ctx", type=int, metavar="N", default=None, help="tokens per window (default: 512)")
     e.add_argument("--max-windows", type=int, metavar="N", default=None,
@@ -160,7 +163,7 @@ def cmd_eval(args) -> int:
         res = evaluate(args.base, args.candidate, text=args.text, ctx=ctx, max_windows=max_windows,
                        sensitivity=args.sensitivity, sensitivity_by=args.sensitivity_by or "block",
                        keep_float=_keep_float(args), kv_cache_dtype=args.kv_cache_dtype or "auto",
-                       progress=status.update)
+                       kernel=args.kernel or "auto", progress=status.update)
     if args.plot:
         from tokenfab.quant.eval import kl_histogram_png
         kl_histogram_png(res.stats.kl, args.plot, title=f"KL(base ‖ {args.candidate}) per token, "
@@ -177,7 +180,8 @@ def _print_eval(res, plot: str | None) -> None:
     from rich.table import Table
 
     con = Console()
-    kv = " with the int8 KV cache" if res.kv_cache_dtype == "int8" else ""
+    kv = (" with the int8 KV cache" if res.kv_cache_dtype == "int8" else "") + \
+        (f", {res.kernel} kernels" if res.kernel != "auto" else "")
     con.print(f"[bold]{res.candidate}[/]{kv} against the float base {res.base}: {res.windows} windows of {res.ctx} "
               f"tokens, {res.seconds:.0f} s")
     t = Table()

@@ -13,6 +13,10 @@ The candidate is one of:
 
 `kv_cache_dtype="int8"` runs the candidate's attention over the int8 KV cache (attention.py), so its
 cost shows on its own (candidate `none`) or on top of a weight scheme.
+
+`kernel`: the quantized layers' path. "auto" picks per call by token count, and a window of 512
+tokens is many tokens: it dequantizes, so the numbers are the weights' error alone. "packed" forces
+the CPU kernels that decode steps use (bfloat16 activations), adding their rounding.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenfab.quant.eval import QualityReport, TokenStats, next_token_targets, summarize, token_stats
+from tokenfab.quant.linear import set_kernel
 from tokenfab.quant.schemes import ALIASES, SCHEMES, parse_scheme
 
 GGUF_CANDIDATE = "gguf"
@@ -55,6 +60,7 @@ class EvalResult:
     base: str
     candidate: str
     kv_cache_dtype: str
+    kernel: str
     ctx: int
     windows: int
     report: QualityReport
@@ -64,7 +70,8 @@ class EvalResult:
     sensitivity_scheme: str | None = None
 
     def as_dict(self) -> dict:
-        d = {"base": self.base, "candidate": self.candidate, "kv_cache_dtype": self.kv_cache_dtype, "ctx": self.ctx, "windows": self.windows,
+        d = {"base": self.base, "candidate": self.candidate, "kv_cache_dtype": self.kv_cache_dtype,
+             "kernel": self.kernel, "ctx": self.ctx, "windows": self.windows,
              "seconds": round(self.seconds, 2), **self.report.as_dict()}
         if self.sensitivity is not None:
             d["sensitivity"] = {"scheme": self.sensitivity_scheme,
@@ -108,7 +115,7 @@ def build_candidate(base_files, candidate: str, max_positions: int, calib_window
 
 def evaluate(base: str | None, candidate: str, *, text: str | None = None, ctx: int = DEFAULT_CTX,
              max_windows: int | None = DEFAULT_MAX_WINDOWS, sensitivity: bool = False, sensitivity_by: str = "block",
-             keep_float: list[str] | None = None, kv_cache_dtype: str = "auto", base_files=None,
+             keep_float: list[str] | None = None, kv_cache_dtype: str = "auto", kernel: str = "auto", base_files=None,
              progress: Callable[[str], None] | None = None) -> EvalResult:
     """Run the comparison. `base_files`: the base's files already read (tests reuse one read)."""
     from tokenfab.model.llama import full_logits
@@ -135,6 +142,7 @@ def evaluate(base: str | None, candidate: str, *, text: str | None = None, ctx: 
 
     say(f"candidate {candidate}")
     cand_model = build_candidate(files, candidate, ctx + 1, calib, keep_float)
+    set_kernel(cand_model, kernel)
     parts: list[TokenStats] = []
     first_base_logits = None
     for i, w in enumerate(windows):     # one window's logits at a time: [ctx, vocab] float32 each
@@ -146,7 +154,8 @@ def evaluate(base: str | None, candidate: str, *, text: str | None = None, ctx: 
         parts.append(token_stats(bl[rows], cl[rows], targets))
     del cand_model
     stats = TokenStats(*(torch.cat([getattr(p, f) for p in parts]) for f in TokenStats.__dataclass_fields__))
-    result = EvalResult(files.path if base is None else base, candidate, kv_cache_dtype, ctx, len(windows), summarize(stats), stats)
+    result = EvalResult(files.path if base is None else base, candidate, kv_cache_dtype, kernel, ctx, len(windows),
+                        summarize(stats), stats)
 
     if sensitivity:
         result.sensitivity_scheme = sens_scheme
