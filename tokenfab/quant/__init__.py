@@ -9,7 +9,10 @@
     checkpoint.py    save_quantized / load_quantized / apply_checkpoint
     eval.py          KL, same top-1, Δp and perplexity from two logits tensors
     sensitivity.py   per-layer KL when only that layer is quantized
-    text.py          the bundled human-written evaluation text
+    text.py          the bundled human-written evaluation text, its eval/calibration split, windows
+    export.py        quantize a model file into a checkpoint folder (`tokenfab quant`)
+    compare.py       a candidate against the float base over text windows (`tokenfab quant eval`)
+    cli.py           the `tokenfab quant` command
 
 This package file imports nothing, so the CLI can register `tokenfab quant` without importing torch.
 """
