@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--quantization", default="auto", help="auto (GGUF blocks native) | none (float) | gguf | int8 | int4")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
 
@@ -123,7 +123,7 @@ def main() -> None:
         dt, n = hf_generate(model, hftok, batch_prompts(args.batch), args.tokens)
         res["hf_batch_tok_s"] = n / dt
 
-    label = f"tokenfab ({args.dtype}{', ' + args.quantization if args.quantization else ''})"
+    label = f"tokenfab ({args.dtype}, quantization={args.quantization})"
     print(f"\ncommand: python benchmarks/offline_throughput.py {' '.join(sys.argv[1:])}")
     print(f"threads: {torch.get_num_threads()}")
     print(f"{label} single-stream decode: {res['tokenfab_single_tok_s']:.1f} tok/s")
