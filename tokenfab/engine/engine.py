@@ -148,6 +148,7 @@ class LLMEngine:
             seqs.append(seq)
         self.requests[request_id] = seqs
         self.prompts[request_id] = prompt if isinstance(prompt, str) else None
+        self.prompt_tokens_total += len(ids)   # once per request, cached or not (as vLLM counts)
         for seq in seqs:
             self.scheduler.add(seq)
         return ids
@@ -187,8 +188,6 @@ class LLMEngine:
         sampled = self.sampler(logits, rows) if rows else []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens <= seq.num_prompt_tokens:
-                self.prompt_tokens_total += n if seq.num_preemptions == 0 else 0
             self.block_manager.cache_full_blocks(seq)
 
         now = time.monotonic()
