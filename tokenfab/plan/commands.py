@@ -269,6 +269,15 @@ def run_probe(args, progress=None) -> dict:
     return {"command": "probe", "name": name, "entry": entry, "written": written}
 
 
+def _engine_quantization(weight_dtype: str | None) -> str:
+    """The engine's weight path for the weight dtype being calibrated (default: float, as described)."""
+    if weight_dtype in ("q4_0", "q4_1", "q8_0"):
+        return "gguf"
+    if weight_dtype == "int8" or (weight_dtype or "").startswith("int4"):
+        return weight_dtype.removesuffix("-asym")
+    return "none"
+
+
 def run_calibrate(args, progress=None) -> dict:
     """Time the engine, fit efficiencies, write them into the hardware entry, and check the fitted
     model on a held-out mixed batch."""
@@ -294,7 +303,7 @@ def run_calibrate(args, progress=None) -> dict:
     engine_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.engine_dtype]
     llm = LLM(model=args.model, dtype=engine_dtype, device=args.device, max_num_seqs=max(args.batches),
               max_num_batched_tokens=max(max(args.prompt_lens), args.max_num_batched_tokens),
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, quantization=_engine_quantization(args.weight_dtype))
     model = resolve_model(args.model)
     base = Deployment.make(model, replace(hw, efficiency=None, step_overhead_ms=None),
                            args.weight_dtype or args.engine_dtype, args.kv_dtype or args.engine_dtype,
