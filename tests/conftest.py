@@ -32,3 +32,14 @@ def bundled_llm(bundled_files):
     llm = LLM(max_model_len=2048, num_kv_blocks=1024, quantization="none", loaded=bundled_files)
     yield llm
     assert llm.engine.block_manager.num_used_blocks() == 0
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on 1 thread for a module, restored afterwards. On a shared 2-core machine, 2 threads made the
+    quant engine tests wait on each other's parallel regions and run 3-7x slower (measured)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

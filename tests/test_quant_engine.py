@@ -19,14 +19,7 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibo
            "Explain photosynthesis in one sentence.", "1, 2, 3, 4,", "The quick brown fox"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # The dev machine is shared (load ~5 on 2 cores): with 2 threads torch's parallel regions wait on
-    # each other and these tests ran 3-7x slower than with 1 (measured). Restored afterwards.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _llm(files, **kw):

@@ -11,13 +11,12 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenfab.engine.async_engine import EngineDeadError, RequestFailed
 from tokenfab.llm import chat_token_ids
-from tokenfab.server.errors import APIError, error_body
+from tokenfab.server.errors import APIError
 from tokenfab.server.logprobs import chat_logprobs
 from tokenfab.server.protocol import ChatCompletionRequest
 from tokenfab.server.state import ClientGone, ServerState, usage
-from tokenfab.server.streaming import DONE, ChoiceDelta, sse, sse_response
+from tokenfab.server.streaming import ChoiceDelta, framed, sse, sse_response
 
 router = APIRouter()
 
@@ -55,7 +54,7 @@ async def create_chat_completion(request: Request) -> Response:
     access = request.state.access = {"id": rid, "prompt_tokens": len(ids), "output_tokens": 0}
     (stream,) = await st.start(rid, [ids], params, req.priority, arrival)
     if req.stream:
-        return sse_response(_stream(st, req, rid, stream, top_n, params.n, access, arrival), rid)
+        return sse_response(framed(_stream(st, req, rid, stream, top_n, params.n, access, arrival), [stream], access), rid)
 
     try:
         (final,) = await st.collect(request, [stream])
@@ -89,32 +88,22 @@ async def _stream(st: ServerState, req: ChatCompletionRequest, rid: str, stream,
             body["usage"] = usage(prompt_tokens, completion_tokens)
         return body
 
-    try:
-        # The role first, as OpenAI does; the only chunk whose content is empty.
-        yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(n)], 0 if req.continuous_usage else None))
-        async for out in stream:
-            for o in out.outputs:
-                delta = deltas[o.index].advance(o)
-                if delta is None:
-                    continue
-                lps = chat_logprobs(st.token_text, delta.token_ids, delta.logprobs, top_n) \
-                    if top_n is not None else None
-                if access.get("ttft_s") is None and delta.text:
-                    access["ttft_s"] = time.monotonic() - arrival
-                access["output_tokens"] = sum(d.token_count for d in deltas)
-                yield sse(chunk([{"index": o.index, "delta": {"content": delta.text} if delta.text else {},
-                                  "logprobs": lps, "finish_reason": delta.finish_reason,
-                                  "stop_reason": delta.stop_reason}],
-                                access["output_tokens"] if req.continuous_usage else None))
-        if req.include_usage:
-            yield sse(chunk([], access["output_tokens"]))
-        yield DONE
-    except (RequestFailed, EngineDeadError) as e:
-        access["outcome"] = "engine_error"
-        yield sse(error_body(str(e), "internal_error", code="engine_error"))
-        yield DONE
-    finally:
-        if not stream.finished and "outcome" not in access:
-            access["outcome"] = "client_disconnected"
-        stream.abort()
+    # The role first, as OpenAI does; the only chunk whose content is empty.
+    yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(n)], 0 if req.continuous_usage else None))
+    async for out in stream:
+        for o in out.outputs:
+            delta = deltas[o.index].advance(o)
+            if delta is None:
+                continue
+            lps = chat_logprobs(st.token_text, delta.token_ids, delta.logprobs, top_n) \
+                if top_n is not None else None
+            if access.get("ttft_s") is None and delta.text:
+                access["ttft_s"] = time.monotonic() - arrival
+            access["output_tokens"] = sum(d.token_count for d in deltas)
+            yield sse(chunk([{"index": o.index, "delta": {"content": delta.text} if delta.text else {},
+                              "logprobs": lps, "finish_reason": delta.finish_reason,
+                              "stop_reason": delta.stop_reason}],
+                            access["output_tokens"] if req.continuous_usage else None))
+    if req.include_usage:
+        yield sse(chunk([], access["output_tokens"]))

@@ -11,12 +11,11 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenfab.engine.async_engine import EngineDeadError, RequestFailed
-from tokenfab.server.errors import APIError, error_body
+from tokenfab.server.errors import APIError
 from tokenfab.server.logprobs import completion_logprobs
 from tokenfab.server.protocol import CompletionRequest
 from tokenfab.server.state import ClientGone, ServerState, usage
-from tokenfab.server.streaming import DONE, ChoiceDelta, merged, sse, sse_response
+from tokenfab.server.streaming import ChoiceDelta, framed, merged, sse, sse_response
 
 router = APIRouter()
 
@@ -46,7 +45,8 @@ async def create_completion(request: Request) -> Response:
     echoes = [p if isinstance(p, str) else st.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)] \
         if req.echo else None
     if req.stream:
-        return sse_response(_stream(st, req, rid, streams, prompt_ids, echoes, params.n, access, arrival), rid)
+        return sse_response(framed(_stream(st, req, rid, streams, prompt_ids, echoes, params.n, access, arrival),
+                                   streams, access), rid)
 
     try:
         finals = await st.collect(request, streams)
@@ -84,37 +84,26 @@ async def _stream(st: ServerState, req: CompletionRequest, rid: str, streams, pr
             body["usage"] = usage(prompt_tokens, completion_tokens)
         return body
 
-    try:
-        async for i, out in merged(streams):
-            for o in out.outputs:
-                k = i * n + o.index
-                d = deltas.setdefault(k, ChoiceDelta())
-                delta = d.advance(o)
-                if delta is None:
-                    continue
-                text = delta.text
-                if d.first and echoes:
-                    text = echoes[i] + text
-                d.first = False
-                lps = None
-                if req.logprobs is not None:
-                    lps, offsets[k] = completion_logprobs(st.token_text, delta.token_ids, delta.logprobs,
-                                                          req.logprobs, offsets.get(k, 0))
-                if access.get("ttft_s") is None and text:
-                    access["ttft_s"] = time.monotonic() - arrival
-                access["output_tokens"] = sum(c.token_count for c in deltas.values())
-                yield sse(chunk([{"index": k, "text": text, "logprobs": lps, "finish_reason": delta.finish_reason,
-                                  "stop_reason": delta.stop_reason}],
-                                access["output_tokens"] if req.continuous_usage else None))
-        if req.include_usage:
-            yield sse(chunk([], access["output_tokens"]))
-        yield DONE
-    except (RequestFailed, EngineDeadError) as e:
-        access["outcome"] = "engine_error"
-        yield sse(error_body(str(e), "internal_error", code="engine_error"))
-        yield DONE
-    finally:
-        if any(not s.finished for s in streams) and "outcome" not in access:
-            access["outcome"] = "client_disconnected"
-        for s in streams:
-            s.abort()
+    async for i, out in merged(streams):
+        for o in out.outputs:
+            k = i * n + o.index
+            d = deltas.setdefault(k, ChoiceDelta())
+            delta = d.advance(o)
+            if delta is None:
+                continue
+            text = delta.text
+            if d.first and echoes:
+                text = echoes[i] + text
+            d.first = False
+            lps = None
+            if req.logprobs is not None:
+                lps, offsets[k] = completion_logprobs(st.token_text, delta.token_ids, delta.logprobs,
+                                                      req.logprobs, offsets.get(k, 0))
+            if access.get("ttft_s") is None and text:
+                access["ttft_s"] = time.monotonic() - arrival
+            access["output_tokens"] = sum(c.token_count for c in deltas.values())
+            yield sse(chunk([{"index": k, "text": text, "logprobs": lps, "finish_reason": delta.finish_reason,
+                              "stop_reason": delta.stop_reason}],
+                            access["output_tokens"] if req.continuous_usage else None))
+    if req.include_usage:
+        yield sse(chunk([], access["output_tokens"]))

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import StreamingResponse
 
-from tokenfab.engine.async_engine import RequestStream
+from tokenfab.engine.async_engine import EngineDeadError, RequestFailed, RequestStream
 from tokenfab.outputs import CompletionOutput, RequestOutput
+from tokenfab.server.errors import error_body
 
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -28,6 +29,26 @@ def sse(obj: dict) -> str:
 def sse_response(body: AsyncIterator[str], request_id: str) -> StreamingResponse:
     return StreamingResponse(body, media_type="text/event-stream",
                              headers={**SSE_HEADERS, "X-Request-Id": request_id})
+
+
+async def framed(chunks: AsyncIterator[str], streams: list[RequestStream], access: dict) -> AsyncIterator[str]:
+    """The common frame of a streamed response around an endpoint's own chunks: [DONE] at the end,
+    an engine failure as an error event, and however it ends, the requests aborted (a client that
+    left frees its KV blocks at once)."""
+    try:
+        async for c in chunks:
+            yield c
+        yield DONE
+    except (RequestFailed, EngineDeadError) as e:
+        access["outcome"] = "engine_error"
+        yield sse(error_body(str(e), "internal_error", code="engine_error"))
+        yield DONE
+    finally:
+        if any(not s.finished for s in streams) and "outcome" not in access:
+            access["outcome"] = "client_disconnected"
+        for s in streams:
+            s.abort()
+        await chunks.aclose()
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
