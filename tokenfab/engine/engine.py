@@ -19,6 +19,7 @@ from tokenfab.engine.sampler import Sampler, SampleRow
 from tokenfab.engine.scheduler import Scheduler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.model.attention import kv_bytes_per_token
+from tokenfab.model.layers import pack_linears
 from tokenfab.model.llama import build_model
 from tokenfab.model.loader import LoadedModel, load_model_files
 from tokenfab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -92,6 +93,7 @@ class LLMEngine:
 
         self.model = build_model(files, self.dtype, config.device, config.block_size, self.max_model_len + 1,
                                  config.quantization)
+        pack_linears(self.model)      # float linears in oneDNN's layout on CPU (model/layers.py)
         del files
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
