@@ -20,6 +20,7 @@ from tokenfab.engine.scheduler import Scheduler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.model.attention import kv_bytes_per_token
 from tokenfab.model.layers import pack_linears
+from tokenfab.quant.linear import enable_float_cache
 from tokenfab.model.llama import build_model
 from tokenfab.model.loader import LoadedModel, load_model_files
 from tokenfab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -29,6 +30,7 @@ log = logging.getLogger("tokenfab.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_SHARE = 0.2          # of available memory, when kv_cache_memory is not given
+FLOAT_CACHE_SHARE = 0.25        # of available memory: the most quantized layers' float copies may take
 DEFAULT_KV_CAP = 4 << 30        # bytes; plenty for small models, and leaves room for everything else
 
 
@@ -94,6 +96,8 @@ class LLMEngine:
         self.model = build_model(files, self.dtype, config.device, config.block_size, self.max_model_len + 1,
                                  config.quantization)
         pack_linears(self.model)      # float linears in oneDNN's layout on CPU (model/layers.py)
+        if config.device == "cpu":    # quantized layers keep a float copy for big batches when it fits
+            enable_float_cache(self.model, int(available_memory(config.device) * FLOAT_CACHE_SHARE))
         del files
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,

@@ -64,13 +64,21 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.packed = onednn_pack(linear.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias,
-                                               "none", [], "")
-        return y.reshape(*lead, self.out_features)
+        return onednn_linear(x.reshape(-1, self.in_features), self.packed, self.bias).reshape(*lead, self.out_features)
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A float [out, in] weight in oneDNN's blocked layout (machine-specific: never saved)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), None)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] float32 @ a weight from `onednn_pack`, plus bias: [T, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def packed_linear_supported(device: torch.device | str, dtype: torch.dtype) -> bool:

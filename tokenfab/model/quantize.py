@@ -7,6 +7,8 @@
   CPU kernels take bfloat16 activations, so logits differ from "none" at bf16 precision (see docs/quant.md);
 - "int8", "int4" (= int4-g32), "int4-g32", "int4-g64", "int4-g128": round-to-nearest weight-only
   quantization of every decoder linear (embeddings and LM head stay float);
+- "w8a8": int8 weights per channel and int8 activations per token, an integer GEMM on CPU (fastest at
+  large batches, at a measured quality cost: docs/quant.md);
 - a folder written by `tokenfab quant` carries its own quantized layers and is applied automatically.
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4", "int4-g32", "int4-g64", "int4-g128")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "w8a8", "int4", "int4-g32", "int4-g64", "int4-g128")
 
 
 def apply_quantization(model, loaded, quantization: str | None) -> None:

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from tokenfab.quant.awq import ActivationStats, collect_activations, search_awq_scale
-from tokenfab.quant.linear import Int4Linear, Int8Linear, QuantLinear
+from tokenfab.quant.linear import Int4Linear, Int8Linear, QuantLinear, W8A8Linear
 from tokenfab.quant.schemes import QuantScheme, parse_scheme
 
 DEFAULT_KEEP_FLOAT = ("lm_head", "embed_tokens", "token_embd", "output", "wte")
@@ -52,7 +52,7 @@ def quantize_linear(linear: nn.Linear, scheme: QuantScheme | str, input_scale: t
     scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
     w, b = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
     if scheme.bits == 8:
-        q = Int8Linear.from_float(w, b)
+        q = (W8A8Linear if scheme.act8 else Int8Linear).from_float(w, b)
     else:
         q = Int4Linear.from_float(w, b, scheme.group_size, input_scale)
     return q.to(w.device)

@@ -15,8 +15,12 @@ The numbers come from benchmarks/quant_kernels.py (table in docs/quant.md).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
+
+from tokenfab.model.layers import onednn_linear, onednn_pack, packed_linear_supported  # noqa: F401
 
 KERNELS = ("auto", "packed", "dequant")
 
@@ -49,12 +53,22 @@ def int4pack_supported(out_features: int, padded_in: int, group_size: int) -> bo
             and group_size in (32, 64, 128, 256) and padded_in % group_size == 0)
 
 
-def packed_max_tokens(kind: str, weight_numel: int) -> int:
+# With a cached float weight (QuantLinear.float_cache) the alternative is oneDNN's prepacked float32
+# GEMM, not expand-then-GEMM, so the packed kernels stop paying off sooner: on the dev machine the int4
+# kernel lost to it from 8 rows on the decoder's shapes and from 16 rows on the LM head.
+CACHED_PACKED_MAX_TOKENS = 4
+CACHED_LARGE_PACKED_MAX_TOKENS = 8
+
+
+def packed_max_tokens(kind: str, weight_numel: int, float_cached: bool = False) -> int:
+    if float_cached:
+        return CACHED_LARGE_PACKED_MAX_TOKENS if weight_numel >= LARGE_WEIGHT_NUMEL else CACHED_PACKED_MAX_TOKENS
     limit = PACKED_MAX_TOKENS[kind]
     return max(limit, LARGE_PACKED_MAX_TOKENS) if weight_numel >= LARGE_WEIGHT_NUMEL else limit
 
 
-def use_packed(kind: str, kernel: str, x: torch.Tensor, supported: bool, weight_numel: int = 0) -> bool:
+def use_packed(kind: str, kernel: str, x: torch.Tensor, supported: bool, weight_numel: int = 0,
+               float_cached: bool = False) -> bool:
     """Decide the path for one call; `kernel` is the module's setting (auto | packed | dequant)."""
     if kernel == "dequant":
         return False
@@ -63,7 +77,12 @@ def use_packed(kind: str, kernel: str, x: torch.Tensor, supported: bool, weight_
             raise ValueError(f"kernel='packed' is not available for this {kind} layer on {x.device.type} "
                              "(packed kernels are CPU-only and shape-restricted); use 'auto' or 'dequant'")
         return True
-    return supported and x.device.type == "cpu" and x.shape[0] <= packed_max_tokens(kind, weight_numel)
+    return supported and x.device.type == "cpu" and x.shape[0] <= packed_max_tokens(kind, weight_numel, float_cached)
+
+
+def float_cache_usable(x: torch.Tensor) -> bool:
+    """A cached float weight serves float32 CPU inputs (the oneDNN prepacked GEMM of model/layers.py)."""
+    return packed_linear_supported(x.device, x.dtype)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -92,3 +111,48 @@ def int4pack_linear(x: torch.Tensor, packed: torch.Tensor, group_size: int,
 def int8pack_linear(x: torch.Tensor, q: torch.Tensor, scales_bf16: torch.Tensor) -> torch.Tensor:
     y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), q, scales_bf16)
     return y.to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------- w8a8
+# FBGEMM's dynamic int8 linear (`quantized::linear_dynamic`) quantizes its whole input with one
+# asymmetric uint8 scale (7 bits with reduce_range, which its AVX2 kernels need to avoid overflow) and
+# runs an integer GEMM against per-channel int8 weights. One scale for a whole batch would let one
+# token's outliers cost every other token precision, and make a token's result depend on its batch.
+# So each row is divided by its own max|x| first and one extra row [1, -1, 0, ...] pins the batch's
+# range to exactly [-1, 1]: the quantization parameters are then the same for every batch, each row is
+# effectively quantized with its own scale, the integer GEMM is exact, and the output row is multiplied
+# back by that max. A token's result is the same alone or in any batch.
+
+def w8a8_supported(x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines
+            and hasattr(torch.ops.quantized, "linear_dynamic"))
+
+
+def w8a8_pack(qweight: torch.Tensor, scales: torch.Tensor):
+    """int8 [out, in] and float scales [out] -> FBGEMM's packed weight (machine-specific, never saved)."""
+    zeros = torch.zeros(qweight.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():     # torch marks quantized tensors deprecated; the op is what we need
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch._make_per_channel_quantized_tensor(qweight.cpu(), scales.double().cpu(), zeros, 0)
+        return torch.ops.quantized.linear_prepack(q, None)
+
+
+_RANGE_ROWS: dict[int, torch.Tensor] = {}
+
+
+def _range_row(k: int) -> torch.Tensor:
+    row = _RANGE_ROWS.get(k)
+    if row is None:
+        row = torch.zeros(1, k)
+        row[0, 0], row[0, -1] = 1.0, -1.0
+        _RANGE_ROWS[k] = row
+    return row
+
+
+def w8a8_linear(x: torch.Tensor, packed) -> torch.Tensor:
+    """x [T, in] (any float dtype) @ the packed int8 weight, activations int8 per row; float32 [T, out]."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
+    xn = torch.cat([xf / amax, _range_row(x.shape[1])])
+    return torch.ops.quantized.linear_dynamic(xn, packed, REDUCE_RANGE)[:-1] * amax
+REDUCE_RANGE = True

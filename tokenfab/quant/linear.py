@@ -1,6 +1,7 @@
 """Drop-in replacements for `nn.Linear` that hold quantized weights: `forward(x[..., in]) -> [..., out]`.
 
 - `Int8Linear`: int8 per output channel (scheme "int8").
+- `W8A8Linear`: the same weights, and activations quantized to int8 per token (scheme "w8a8").
 - `Int4Linear`: int4 in groups along `in`, asymmetric, optionally with an AWQ input scale
   (schemes "int4-g*", "awq-int4-g*").
 - `Q4_0Linear`, `Q4_1Linear`: GGUF blocks as shipped, run by the int4 kernels without requantizing.
@@ -34,6 +35,11 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.kernel = "auto"
         self._packed: tuple | None = None
+        # float_cache: keep the dequantized weight (float32, oneDNN layout) for calls above the packed
+        # kernels' token limit, instead of expanding the weight on every call. Costs the float weight's
+        # memory; the engine turns it on when that fits its budget (engine.py).
+        self.float_cache = False
+        self._float: torch.Tensor | None = None
         if bias is not None:
             self.bias = nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         else:
@@ -56,10 +62,16 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = self._prepare_input(x.reshape(-1, self.in_features))
-        if kernels.use_packed(self.kind, self.kernel, x2, self.packed_supported(), self.in_features * self.out_features):
+        cached = self.float_cache and kernels.float_cache_usable(x2)
+        if kernels.use_packed(self.kind, self.kernel, x2, self.packed_supported(), self.in_features * self.out_features,
+                              cached):
             y = self._packed_matmul(x2)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
+        elif cached:
+            if self._float is None:
+                self._float = kernels.onednn_pack(self.dequantize(torch.float32))
+            y = kernels.onednn_linear(x2, self._float, self.bias)
         else:
             bias = None if self.bias is None else self.bias.to(x2.dtype)
             y = F.linear(x2, self.dequantize(x2.dtype), bias)
@@ -76,11 +88,11 @@ class QuantLinear(nn.Module):
 
     # the packed layout depends on the buffers and the device: rebuild after either changes
     def _apply(self, fn, recurse=True):
-        self._packed = None
+        self._packed = self._float = None
         return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._packed = None
+        self._packed = self._float = None
         return super()._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self) -> str:
@@ -116,6 +128,25 @@ class Int8Linear(QuantLinear):
         if self._packed is None:
             self._packed = (self.scales.to(torch.bfloat16),)
         return kernels.int8pack_linear(x, self.qweight, self._packed[0])
+
+
+class W8A8Linear(Int8Linear):
+    """int8 weights per output channel (as `Int8Linear`) and int8 activations per token, quantized on
+    the fly: the matmul runs in integers through FBGEMM (`kernels.w8a8_linear`), several times faster
+    than a float GEMM on CPUs without bf16 units. Where FBGEMM is missing (CUDA, other CPUs) it runs
+    as `Int8Linear`, weights-only."""
+    kind = "w8a8"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "dequant" or not kernels.w8a8_supported(x):
+            return super().forward(x)
+        if self._packed is None:
+            self._packed = (kernels.w8a8_pack(self.qweight, self.scales),)
+        lead = x.shape[:-1]
+        y = kernels.w8a8_linear(x.reshape(-1, self.in_features), self._packed[0])
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*lead, self.out_features)
 
 
 class Int4Linear(QuantLinear):
@@ -251,7 +282,7 @@ class Q8_0Linear(QuantLinear):
 
 
 LINEAR_TYPES: dict[str, type[QuantLinear]] = {
-    c.__name__: c for c in (Int8Linear, Int4Linear, Q4_0Linear, Q4_1Linear, Q8_0Linear)}
+    c.__name__: c for c in (Int8Linear, W8A8Linear, Int4Linear, Q4_0Linear, Q4_1Linear, Q8_0Linear)}
 
 
 GGUF_LINEAR_TYPES: dict[str, type[QuantLinear]] = {"Q4_0": Q4_0Linear, "Q4_1": Q4_1Linear, "Q8_0": Q8_0Linear}
@@ -272,6 +303,17 @@ def empty_from_config(cfg: dict) -> QuantLinear:
     if cls is None:
         raise ValueError(f"unknown quantized linear type {cfg.get('type')!r}; known: {sorted(LINEAR_TYPES)}")
     return cls.empty(cfg)
+
+
+def enable_float_cache(model: nn.Module, max_bytes: int) -> int:
+    """Turn on `float_cache` in every quantized linear if their float32 weights fit in `max_bytes`
+    together (all or none). Returns the bytes the caches may take (0: off)."""
+    mods = [m for m in model.modules() if isinstance(m, QuantLinear) and not isinstance(m, W8A8Linear)]
+    need = sum(4 * m.in_features * m.out_features for m in mods)
+    on = 0 < need <= max_bytes
+    for m in mods:
+        m.float_cache = on
+    return need if on else 0
 
 
 def set_kernel(model: nn.Module, kernel: str) -> int:

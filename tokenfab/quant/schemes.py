@@ -23,15 +23,18 @@ INT4_GROUP_SIZES = (32, 64, 128)
 
 @dataclass(frozen=True, slots=True)
 class QuantScheme:
-    """A weight-only scheme by name: `int8`, `int4-g32`, `int4-g64`, `int4-g128`, `awq-int4-g128`."""
+    """A scheme by name: weight-only `int8`, `int4-g32`, `int4-g64`, `int4-g128`, `awq-int4-g128`;
+    `w8a8` (int8 weights per channel, int8 activations per token)."""
     name: str
     bits: int                  # 8 or 4
     group_size: int | None     # None: one scale per output channel (int8)
     awq: bool = False          # activation-aware per-input-channel scaling from calibration data
+    act8: bool = False         # activations quantized to int8 per token on the fly (W8A8): integer GEMM
 
 
 SCHEMES: dict[str, QuantScheme] = {
     "int8": QuantScheme("int8", 8, None),
+    "w8a8": QuantScheme("w8a8", 8, None, act8=True),
     **{f"int4-g{g}": QuantScheme(f"int4-g{g}", 4, g) for g in INT4_GROUP_SIZES},
     **{f"awq-int4-g{g}": QuantScheme(f"awq-int4-g{g}", 4, g, awq=True) for g in INT4_GROUP_SIZES},
 }

@@ -1,0 +1,111 @@
+"""Fast CPU linears: oneDNN-packed float weights, cached float copies of quantized layers, and W8A8."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenfab.model.layers import PackedLinear, pack_linears, packed_linear_supported
+from tokenfab.quant import kernels
+from tokenfab.quant.linear import Int4Linear, Int8Linear, W8A8Linear, enable_float_cache
+
+pytestmark = pytest.mark.skipif(not packed_linear_supported("cpu", torch.float32), reason="needs oneDNN on CPU")
+
+
+def test_packed_linear_matches_nn_linear_for_any_token_count():
+    torch.manual_seed(0)
+    lin = nn.Linear(576, 960)
+    packed = PackedLinear(lin)
+    for rows in (1, 3, 32, 129):
+        x = torch.randn(rows, 576)
+        torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+    assert packed(torch.randn(2, 5, 576)).shape == (2, 5, 960)
+
+
+def test_pack_linears_swaps_float_linears_and_keeps_a_tied_weight_readable():
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.proj = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 50, bias=False)
+            self.head.weight = self.embed.weight
+            self.q = Int8Linear.from_float(torch.randn(16, 16))
+    m = Tiny()
+    x = torch.randn(4, 16)
+    ref_proj, ref_head = m.proj(x), m.head(x)
+    assert pack_linears(m) == 2
+    assert isinstance(m.proj, PackedLinear) and isinstance(m.head, PackedLinear)
+    assert isinstance(m.q, Int8Linear)                              # quantized layers are left alone
+    assert m.head.weight is m.embed.weight                          # shared: stays
+    assert m.proj.weight is None                                    # not shared: the packed copy replaces it
+    torch.testing.assert_close(m.proj(x), ref_proj)
+    torch.testing.assert_close(m.head(x), ref_head)
+
+
+@pytest.mark.parametrize("make", [lambda w: Int8Linear.from_float(w), lambda w: Int4Linear.from_float(w, None, 32)],
+                         ids=["int8", "int4"])
+def test_float_cache_serves_big_batches_with_the_dequantized_weight(make):
+    torch.manual_seed(0)
+    q = make(torch.randn(256, 576) * 0.05)
+    x = torch.randn(64, 576)
+    ref = F.linear(x, q.dequantize())
+    q.float_cache = True
+    torch.testing.assert_close(q(x), ref, rtol=1e-5, atol=1e-5)
+    assert q._float is not None                                     # built once, on first use
+    q._float = None
+    q.float_cache = False
+    q(x)
+    assert q._float is None
+
+
+def test_float_cache_turns_on_only_when_all_float_copies_fit():
+    mods = nn.ModuleList([Int8Linear.from_float(torch.randn(64, 32)) for _ in range(3)])
+    need = 3 * 64 * 32 * 4
+    assert enable_float_cache(mods, need - 1) == 0 and not any(m.float_cache for m in mods)
+    assert enable_float_cache(mods, need) == need and all(m.float_cache for m in mods)
+
+
+def test_auto_kernel_switches_to_the_cached_float_weight_sooner():
+    x_few, x_many = torch.randn(kernels.CACHED_PACKED_MAX_TOKENS, 8), torch.randn(kernels.CACHED_PACKED_MAX_TOKENS + 1, 8)
+    assert kernels.use_packed("int4", "auto", x_few, True, 100, float_cached=True)
+    assert not kernels.use_packed("int4", "auto", x_many, True, 100, float_cached=True)
+    assert kernels.use_packed("int4", "auto", x_many, True, 100, float_cached=False)
+
+
+# ------------------------------------------------------------------------------------------------ w8a8
+w8a8_only = pytest.mark.skipif(not kernels.w8a8_supported(torch.zeros(1)), reason="needs FBGEMM")
+
+
+@w8a8_only
+def test_w8a8_stays_close_to_float_per_token_even_with_an_outlier_row():
+    torch.manual_seed(0)
+    lin = nn.Linear(576, 960)
+    q = W8A8Linear.from_float(lin.weight.data, lin.bias.data)
+    x = torch.randn(8, 576)
+    x[3] *= 1000                        # one loud token must not cost the others precision
+    ref = lin(x)
+    rel = (q(x) - ref).norm(dim=1) / ref.norm(dim=1)
+    assert float(rel.max()) < 0.03, rel
+
+
+@w8a8_only
+def test_w8a8_gives_a_token_the_same_result_alone_or_in_any_batch():
+    torch.manual_seed(1)
+    q = W8A8Linear.from_float(torch.randn(384, 576) * 0.05)
+    x = torch.randn(9, 576) * torch.logspace(-2, 2, 9)[:, None]
+    batched = q(x)
+    for i in range(9):
+        assert torch.equal(q(x[i:i + 1]), batched[i:i + 1])
+    assert torch.equal(q(x[2:7]), batched[2:7])
+
+
+@w8a8_only
+def test_w8a8_differs_from_weight_only_int8_by_activation_rounding_only():
+    torch.manual_seed(2)
+    q = W8A8Linear.from_float(torch.randn(256, 576) * 0.05)
+    x = torch.randn(4, 576)
+    y = q(x)
+    q.kernel = "dequant"                # the weights-only reference path
+    ref = q(x)
+    assert not torch.equal(y, ref)
+    torch.testing.assert_close(y, ref, rtol=0.05, atol=0.05 * float(ref.abs().max()))
