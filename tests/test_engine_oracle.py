@@ -2,7 +2,7 @@
 import pytest
 
 from tests.oracle import hf_greedy, load_hf_gguf, make_tiny_model
-from tokenfab import LLM, SamplingParams
+from tokenfab import LLM, SamplingParams, kernels
 
 NEW_TOKENS = 64
 RAW_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
@@ -40,8 +40,12 @@ def test_bundled_prompt_tokens_match_transformers_tokenizer(bundled_llm, bundled
         assert bundled_llm.engine.tokenize(p) == list(hf_tok(p).input_ids)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
-def test_tiny_random_model_matches_transformers(kind, tmp_path, bundled_tokenizer):
+@pytest.mark.parametrize("kind,cpu_kernels", [("llama", True), ("qwen2", True), ("qwen3", True), ("mistral", True),
+                                              ("llama", False), ("qwen3", False)])
+def test_tiny_random_model_matches_transformers(kind, cpu_kernels, tmp_path, bundled_tokenizer, monkeypatch):
+    # cpu_kernels False: the portable torch path (what CUDA runs) on CPU
+    if not cpu_kernels:
+        monkeypatch.setattr(kernels, "usable", lambda *tensors: False)
     hf = make_tiny_model(kind, str(tmp_path), bundled_tokenizer)
     llm = LLM(model=str(tmp_path), max_model_len=512, num_kv_blocks=64)
     prompts = [[5, 17, 300, 4000, 99, 12], list(range(100, 140))]

@@ -82,8 +82,9 @@ class ModelRunner:
             decode_context_lens=dec_ln,
             decode_max_context=max_ctx,
             prefills=prefills,
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
         )
-        return StepInput(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
+        return StepInput(torch.tensor(ids, dtype=torch.long, device=dev), meta.positions,
                          meta, torch.tensor(logits_idx, dtype=torch.long, device=dev), sampling)
 
     @torch.inference_mode()

@@ -7,7 +7,8 @@ KV cache layout per layer: `[num_blocks, block_size, num_kv_heads, head_dim]` fo
 token's slot is `block_id * block_size + offset` and writes are one `index_copy_` over the flat view.
 
 The portable torch backend gathers each sequence's blocks and calls `scaled_dot_product_attention`.
-It runs on CPU and CUDA; faster backends must agree with it in tests.
+It runs on CPU and CUDA; faster backends must agree with it in tests. On CPU with float32 pools,
+decodes read the blocks in place through tokenfab's C kernel (tokenfab/kernels) instead.
 
 int8 KV cache (`kv_cache_dtype="int8"`): a layer's K and V pools are `Int8KVCache`s, int8 values plus
 a float32 scale per token and head (symmetric, scale = max|x| / 127 over the head's dims). Writes
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tokenfab import kernels
 
 
 @dataclass(slots=True)
@@ -38,6 +41,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None   # [num_decodes] int64
     decode_max_context: int
     prefills: list[PrefillChunk]
+    positions: torch.Tensor | None = None      # [num_tokens] int64, for kernels that apply RoPE themselves
 
 
 KV_SCALE_BYTES = 4        # one float32 scale per token and head, for K and for V (int8 cache)
@@ -102,6 +106,11 @@ class TorchPagedAttention:
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens. Returns [T, H, D]."""
         k, v = self.write_kv(k_cache, v_cache, k, v, meta)
+        return self.attend(q, k, v, k_cache, v_cache, meta)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Attention for tokens whose K/V are already in the cache (and given as k, v too)."""
         nd = meta.num_decode_tokens
         if not meta.prefills:                      # all decodes: the common step, no scatter
             return self._decode(q, k_cache, v_cache, meta)
@@ -126,6 +135,10 @@ class TorchPagedAttention:
         return g.reshape(*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)[..., :length, :, :]
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if not isinstance(k_cache, Int8KVCache) and kernels.usable(q, k_cache):
+            # straight from the paged pools, no gather copy (tokenfab/kernels/cpu.c)
+            return kernels.decode_attention(q.reshape(q.shape[0], -1), k_cache, v_cache, meta.decode_block_tables,
+                                            meta.decode_context_lens, self.num_heads, self.num_kv_heads, self.scale)
         L = meta.decode_max_context
         keys = self._gather(k_cache, meta.decode_block_tables, L).transpose(1, 2)    # [B, KVH, L, D]
         vals = self._gather(v_cache, meta.decode_block_tables, L).transpose(1, 2)

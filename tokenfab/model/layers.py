@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenfab import kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -17,6 +19,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.usable(x):           # one C call (tokenfab/kernels); differs from torch in the last bit
+            return kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:   # one fused op, bit-identical to the reference below in float32
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenfab import kernels
 from tokenfab.model.attention import AttentionMetadata, TorchPagedAttention
 from tokenfab.model.config import ModelConfig
 from tokenfab.model.layers import RMSNorm, RotaryEmbedding
@@ -31,6 +32,8 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.d <= kernels.MAX_HEAD_DIM and meta.positions is not None and kernels.usable(qkv, kv[0]):
+            return self.o_proj(self._fused(qkv.contiguous(), rope, kv, meta).reshape(T, self.q_size))
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.kvh, self.d)
         if self.q_norm is None:
             # q and k sit side by side in each row: rotate them in one go.
@@ -43,6 +46,20 @@ class Attention(nn.Module):
         o = self.attn(q, k, v, kv[0], kv[1], meta)
         return self.o_proj(o.reshape(T, self.q_size))
 
+    def _fused(self, qkv: torch.Tensor, rope: RotaryEmbedding, kv, meta: AttentionMetadata) -> torch.Tensor:
+        """The CPU kernels' path: RoPE and the KV write in one call, on the qkv rows in place."""
+        T = qkv.shape[0]
+        if self.q_norm is not None:
+            qkv[:, :self.q_size] = self.q_norm(qkv[:, :self.q_size].view(T, self.h, self.d)).view(T, -1)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.kvh, self.d)
+            qkv[:, self.q_size:self.q_size + self.kv_size] = self.k_norm(k).view(T, -1)
+        kernels.rope_write_kv(qkv, self.h, self.kvh, self.d, meta.positions, rope.cos, rope.sin_signed,
+                              kv[0], kv[1], meta.slot_mapping)
+        q = qkv[:, :self.q_size].view(T, self.h, self.d)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.kvh, self.d)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.kvh, self.d)
+        return self.attn.attend(q, k, v, kv[0], kv[1], meta)
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -52,7 +69,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if kernels.usable(gate_up):
+            return self.down_proj(kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -185,9 +205,9 @@ def full_logits(model: LlamaModel, token_ids: list[int], block_size: int = 16) -
                      dtype=model.embed_tokens.weight.dtype, device=device)
     caches = [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)]
     table = torch.arange(nblocks, device=device)
+    positions = torch.arange(T, device=device)
     meta = AttentionMetadata(slot_mapping=torch.arange(T, device=device), num_decode_tokens=0,
                              decode_block_tables=None, decode_context_lens=None, decode_max_context=0,
-                             prefills=[PrefillChunk(0, T, T, table)])
-    positions = torch.arange(T, device=device)
+                             prefills=[PrefillChunk(0, T, T, table)], positions=positions)
     ids = torch.tensor(token_ids, device=device)
     return model(ids, positions, caches, meta, positions)

@@ -1,0 +1,84 @@
+"""tokenfab's C kernels against their torch references, and the fallback when they cannot be built."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenfab import kernels
+from tokenfab.model.layers import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="no C compiler: the torch path runs instead")
+
+
+def test_rms_norm_matches_torch():
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 7, 576) * 3, torch.rand(576)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), rtol=1e-6, atol=1e-6)
+
+
+def test_silu_mul_matches_torch():
+    torch.manual_seed(1)
+    g = torch.randn(9, 2 * 1536) * 4
+    torch.testing.assert_close(kernels.silu_mul(g), F.silu(g[:, :1536]) * g[:, 1536:], rtol=1e-6, atol=1e-6)
+
+
+def test_rope_write_kv_rotates_in_place_and_stores_k_and_v_at_their_slots():
+    torch.manual_seed(2)
+    H, KVH, D, T = 9, 3, 64, 5
+    rope = RotaryEmbedding(D, 10000.0, 256)
+    qkv = torch.randn(T, (H + 2 * KVH) * D)
+    pos = torch.tensor([0, 1, 7, 100, 255])
+    slots = torch.tensor([3, 0, 9, 4, 15])
+    kc, vc = torch.zeros(16, KVH, D), torch.zeros(16, KVH, D)
+    ref = qkv.clone()
+    kernels.rope_write_kv(qkv, H, KVH, D, pos, rope.cos, rope.sin_signed, kc, vc, slots)
+    tables = rope.tables(pos, torch.float32)
+    want_qk = rope.apply(ref[:, :(H + KVH) * D].view(T, H + KVH, D), tables).reshape(T, -1)
+    torch.testing.assert_close(qkv[:, :(H + KVH) * D], want_qk, rtol=0, atol=1e-6)
+    assert torch.equal(qkv[:, (H + KVH) * D:], ref[:, (H + KVH) * D:])                   # v untouched
+    assert torch.equal(kc[slots], qkv[:, H * D:(H + KVH) * D].view(T, KVH, D))
+    assert torch.equal(vc[slots], ref[:, (H + KVH) * D:].view(T, KVH, D))
+    untouched = [i for i in range(16) if i not in slots.tolist()]
+    assert not kc[untouched].any() and not vc[untouched].any()
+
+
+@pytest.mark.parametrize("H,KVH", [(9, 3), (4, 4), (8, 1)])
+def test_decode_attention_reads_the_paged_pools_like_gather_then_sdpa(H, KVH):
+    torch.manual_seed(3)
+    D, bs, nblocks = 64, 16, 40
+    kc, vc = torch.randn(nblocks, bs, KVH, D), torch.randn(nblocks, bs, KVH, D)
+    lens = torch.tensor([1, 16, 17, 50, 64])
+    tables = torch.stack([torch.randperm(nblocks)[:4] for _ in lens])
+    rows = torch.randn(len(lens), (H + 2 * KVH) * D)          # q inside fused qkv rows: strided
+    q = rows[:, :H * D]
+    out = kernels.decode_attention(q, kc, vc, tables, lens, H, KVH, D ** -0.5)
+    for b, L in enumerate(lens.tolist()):
+        keys = kc[tables[b]].reshape(-1, KVH, D)[:L].transpose(0, 1)
+        vals = vc[tables[b]].reshape(-1, KVH, D)[:L].transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q[b].view(H, 1, D), keys, vals, enable_gqa=H != KVH).squeeze(1)
+        torch.testing.assert_close(out[b], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_build_turns_the_kernels_off_and_the_model_still_runs(monkeypatch, tmp_path):
+    from tokenfab.model.layers import RMSNorm
+    monkeypatch.setenv("TOKENFAB_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")                         # a "compiler" that always fails
+    try:
+        kernels.set_enabled(True)
+        assert not kernels.enabled()
+        norm = RMSNorm(8, 1e-5)
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(norm(x), F.rms_norm(x, (8,), norm.weight, 1e-5))
+    finally:
+        monkeypatch.undo()
+        kernels.set_enabled(True)
+    assert kernels.enabled()
+
+
+def test_env_switch_turns_the_kernels_off(monkeypatch):
+    monkeypatch.setenv("TOKENFAB_CPU_KERNELS", "0")
+    try:
+        kernels.set_enabled(True)
+        assert not kernels.enabled() and not kernels.usable(torch.zeros(1))
+    finally:
+        monkeypatch.undo()
+        kernels.set_enabled(True)

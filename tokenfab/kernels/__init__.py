@@ -1,0 +1,153 @@
+"""tokenfab's CPU kernels (cpu.c): built with the machine's C compiler at first use, called via ctypes.
+
+    from tokenfab import kernels
+    if kernels.enabled():
+        kernels.rms_norm(x, weight, eps)
+
+The shared library is cached under ~/.cache/tokenfab/kernels (or $TOKENFAB_CACHE), keyed by the
+source, the compiler flags and the CPU model, so a copy built for another CPU is never loaded. Without
+a compiler, or when the build fails, `enabled()` is False (one warning in the log) and the model runs
+its torch path. TOKENFAB_CPU_KERNELS=0 turns them off (the torch path is the reference in tests and
+the baseline in benchmarks).
+
+Every wrapper takes float32, contiguous CPU tensors (checked by the caller's `usable` test) and
+writes its output in place; they are thin, because they run 60-120 times per decode step.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
+MAX_HEAD_DIM = 512      # rope's scratch row in cpu.c
+
+_lib = None
+_tried = False
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "tf_rms_norm": [_P, _P, _P, _I, _I, _F],
+    "tf_rope_write_kv": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
+    "tf_decode_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F],
+    "tf_silu_mul": [_P, _P, _I, _I],
+}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("TOKENFAB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tokenfab")
+    return os.path.join(root, "kernels")
+
+
+def _build() -> ctypes.CDLL | None:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        log.warning("no C compiler found: tokenfab's CPU kernels are off, the torch path runs instead")
+        return None
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    key = hashlib.sha256(src + " ".join([cc] + FLAGS).encode() + _cpu_model().encode()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), f"cpu-{key}.so")
+    if not os.path.exists(path):
+        os.makedirs(_cache_dir(), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+        os.close(fd)
+        proc = subprocess.run([cc, *FLAGS, SOURCE, "-o", tmp, "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            log.warning("building tokenfab's CPU kernels failed, the torch path runs instead:\n%s",
+                        proc.stderr.strip()[-2000:])
+            return None
+        os.replace(tmp, path)        # atomic: concurrent builders never load a half-written file
+    lib = ctypes.CDLL(path)
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def enabled() -> bool:
+    """True when the kernels are built and loaded (built on the first call)."""
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        if os.environ.get("TOKENFAB_CPU_KERNELS", "1") != "0":
+            try:
+                _lib = _build()
+            except OSError as e:
+                log.warning("loading tokenfab's CPU kernels failed (%s), the torch path runs instead", e)
+                _lib = None
+    return _lib is not None
+
+
+def set_enabled(on: bool) -> None:
+    """Force the kernels off (or back to the default) in this process, e.g. for an A/B comparison."""
+    global _lib, _tried
+    if on:
+        _tried = False
+        _lib = None
+        enabled()
+    else:
+        _tried, _lib = True, None
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    return enabled() and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    D = x.shape[-1]
+    _lib.tf_rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.numel() // D, D, eps)
+    return out
+
+
+def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,
+                  cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slots: torch.Tensor) -> None:
+    """qkv [T, (H + 2 KVH) D], contiguous: rotate its q and k in place, store k and v in the pools."""
+    _lib.tf_rope_write_kv(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, head_dim,
+                          positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
+                          k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr())
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, num_heads: int, num_kv_heads: int, scale: float) -> torch.Tensor:
+    """q: [B, H * D] rows (any row stride, unit inner stride); pools [blocks, bs, KVH, D]. Returns [B, H, D]."""
+    B, D, bs = q.shape[0], k_cache.shape[-1], k_cache.shape[1]
+    out = torch.empty(B, num_heads, D)
+    _lib.tf_decode_attention(out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                             block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
+                             B, num_heads, num_kv_heads, D, bs, scale)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> silu(first half) * second half, [T, I]."""
+    gate_up = gate_up.contiguous()
+    T, I2 = gate_up.shape
+    out = torch.empty(T, I2 // 2)
+    _lib.tf_silu_mul(out.data_ptr(), gate_up.data_ptr(), T, I2 // 2)
+    return out
