@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from tokenfab import kernels
 from tokenfab.model.layers import RotaryEmbedding
+from tokenfab.quant.linear import Int4Linear, Int8Linear, Q4_1Linear, Q8_0Linear
 
 pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="no C compiler: the torch path runs instead")
 
@@ -82,3 +83,40 @@ def test_env_switch_turns_the_kernels_off(monkeypatch):
     finally:
         monkeypatch.undo()
         kernels.set_enabled(True)
+
+
+@pytest.mark.parametrize("make", [
+    lambda w: Int4Linear.from_float(w, None, 32),
+    lambda w: Int4Linear.from_float(w, None, 64),
+    lambda w: Int4Linear.from_float(w, None, 128),                          # 576 inputs: padded to 640
+    lambda w: Int4Linear.from_float(w, None, 128, input_scale=torch.rand(576) + 0.5),
+    lambda w: Int8Linear.from_float(w),
+    lambda w: Q8_0Linear(torch.randint(-127, 128, w.shape, dtype=torch.int8), torch.rand(w.shape[0], w.shape[1] // 32)),
+], ids=["int4-g32", "int4-g64", "int4-g128-padded", "int4-awq", "int8", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, kernels.QGEMM_MAX_ROWS])
+def test_quantized_gemm_equals_dequantize_then_linear_to_int16_activation_rounding(make, rows):
+    torch.manual_seed(4)
+    layer = make(torch.randn(96, 576) * 0.05)
+    layer.kernel = "cpu"
+    x = torch.randn(rows, 576)
+    ref = F.linear(layer._prepare_input(x), layer.dequantize())
+    assert layer._cpu_matmul(layer._prepare_input(x)) is not None             # the C kernel took it
+    # activations go in as int16 per block of 32: relative error ~2^-16 per element, which asymmetric
+    # int4 (w = q d + m: two large terms that cancel) can amplify a few times in the output
+    torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=5e-4 * float(ref.abs().max()))
+
+
+def test_quantized_gemm_leaves_more_rows_to_the_other_paths():
+    layer = Int4Linear.from_float(torch.randn(64, 64), None, 32)
+    assert layer._cpu_matmul(torch.randn(kernels.QGEMM_MAX_ROWS + 1, 64)) is None
+
+
+def test_quantized_gemm_runs_gguf_q4_1_blocks_as_shipped(bundled_path):
+    gguf = pytest.importorskip("gguf")
+    t = next(t for t in gguf.GGUFReader(bundled_path).tensors if t.tensor_type.name == "Q4_1")
+    out_features, in_features = int(t.shape[1]), int(t.shape[0])
+    layer = Q4_1Linear.from_gguf(t.data, out_features, in_features)
+    ref_w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(out_features, in_features)
+    x = torch.randn(2, in_features)
+    ref = F.linear(x, ref_w)
+    torch.testing.assert_close(layer._cpu_matmul(x), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))

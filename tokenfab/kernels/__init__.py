@@ -41,7 +41,9 @@ _SIGNATURES = {
     "tf_rope_write_kv": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
     "tf_decode_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F],
     "tf_silu_mul": [_P, _P, _I, _I],
+    "tf_qgemm": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
 }
+QGEMM_MAX_ROWS = 8      # TF_MAX_ROWS in cpu.c
 
 
 def _cpu_model() -> str:
@@ -151,3 +153,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, I2 // 2)
     _lib.tf_silu_mul(out.data_ptr(), gate_up.data_ptr(), T, I2 // 2)
     return out
+
+
+def qgemm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group_size: int, bits: int,
+          out_features: int) -> torch.Tensor:
+    """x [M <= QGEMM_MAX_ROWS, K] float32 @ a quantized [out, K] weight (layouts in cpu.c), float32 [M, out].
+    Activations enter as int16 per block of 32 (relative error ~2^-16)."""
+    x = x.contiguous()
+    M, K = x.shape
+    y = torch.empty(M, out_features)
+    _lib.tf_qgemm(y.data_ptr(), x.data_ptr(), M, K, out_features, q.data_ptr(), d.data_ptr(),
+                  None if m is None else m.data_ptr(), group_size, bits)
+    return y

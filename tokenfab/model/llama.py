@@ -32,7 +32,8 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.d <= kernels.MAX_HEAD_DIM and meta.positions is not None and kernels.usable(qkv, kv[0]):
+        if (self.d <= kernels.MAX_HEAD_DIM and meta.positions is not None and isinstance(kv[0], torch.Tensor)
+                and kernels.usable(qkv, kv[0])):
             return self.o_proj(self._fused(qkv.contiguous(), rope, kv, meta).reshape(T, self.q_size))
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.kvh, self.d)
         if self.q_norm is None:

@@ -45,7 +45,8 @@ def add_parser(subs) -> None:
                    help="int8: the candidate attends over the int8 KV cache (default: auto, float)")
     e.add_argument("--kernel", choices=("auto", "packed", "dequant"), default=None,
                    help="quantized layers' path: auto (by token count; whole windows dequantize, so the numbers "
-                        "are the weights' error), packed (the CPU kernels decode uses, bf16 activations) or dequant")
+                        "are the weights' error), packed (torch's packed CPU kernels, bf16 activations) or "
+                        "dequant. Decode's C kernel computes in float32, as dequant does")
     e.add_argument("--text", metavar="FILE", help="evaluation text (default: the bundled human-written English)")
     e.add_argument("--ctx", type=int, metavar="N", default=None, help="tokens per window (default: 512)")
     e.add_argument("--max-windows", type=int, metavar="N", default=None,

@@ -1,6 +1,11 @@
 """The matmuls behind quantized linears, and the rule that picks one per call.
 
-Two paths compute the same thing:
+Four paths compute the same thing:
+- **cpu**: tokenfab's C kernel (tokenfab/kernels/cpu.c, `tf_qgemm`): reads int4 / int8 / Q8_0 blocks
+  directly, activations as int16 per block of 32 (relative error ~2^-16: KL 3e-7 against float on the
+  bundled model, where bf16 activations give 1e-3), for up to 8 rows: decode steps of small batches.
+- **float cache**: a dequantized float32 copy of the weight in oneDNN's layout, kept when the engine's
+  memory budget allows (`QuantLinear.float_cache`): the fastest path for big batches and prefill.
 - **packed**: torch's CPU weight-only kernels, `_weight_int8pack_mm` (int8, one scale per output
   channel) and `_weight_int4pack_mm_for_cpu` (int4 in groups, w = (q - 8) * scale + zero). They read
   the quantized bytes directly, so they win when decode is bound by weight bandwidth (few tokens).
@@ -10,8 +15,8 @@ Two paths compute the same thing:
   over the weight per call, which a GEMM over many tokens amortizes; it is also the path for CUDA and
   for shapes the packed kernels reject, and the exact reference in tests.
 
-`auto` takes the packed path up to `packed_max_tokens(kind, weight size)` tokens and dequant above.
-The numbers come from benchmarks/quant_kernels.py (table in docs/quant.md).
+`auto` takes the cpu path up to `QGEMM_MAX_ROWS` rows, else the packed path up to `packed_max_tokens(kind, weight size)` tokens, else the float cache
+or dequant. The numbers come from benchmarks/quant_kernels.py (table in docs/quant.md).
 """
 from __future__ import annotations
 
@@ -20,9 +25,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from tokenfab import kernels as cpu_kernels
 from tokenfab.model.layers import onednn_linear, onednn_pack, packed_linear_supported  # noqa: F401
 
-KERNELS = ("auto", "packed", "dequant")
+KERNELS = ("auto", "cpu", "packed", "dequant")
 
 # Largest token count (rows of x) at which the packed kernel still beat dequantize + F.linear, per
 # weight layout. Measured by benchmarks/quant_kernels.py on the 2-core AVX2 dev machine (1 thread,
@@ -69,7 +75,7 @@ def packed_max_tokens(kind: str, weight_numel: int, float_cached: bool = False) 
 
 def use_packed(kind: str, kernel: str, x: torch.Tensor, supported: bool, weight_numel: int = 0,
                float_cached: bool = False) -> bool:
-    """Decide the path for one call; `kernel` is the module's setting (auto | packed | dequant)."""
+    """Packed or not for one call the cpu path declined; `kernel` is the module's setting."""
     if kernel == "dequant":
         return False
     if kernel == "packed":
@@ -78,6 +84,12 @@ def use_packed(kind: str, kernel: str, x: torch.Tensor, supported: bool, weight_
                              "(packed kernels are CPU-only and shape-restricted); use 'auto' or 'dequant'")
         return True
     return supported and x.device.type == "cpu" and x.shape[0] <= packed_max_tokens(kind, weight_numel, float_cached)
+
+
+def use_cpu_kernel(x: torch.Tensor) -> bool:
+    """tokenfab's C kernel takes every call it can (up to QGEMM_MAX_ROWS rows): on the dev machine it
+    beat torch's packed kernels at 1 row and the cached float GEMM up to 8 rows, in the engine."""
+    return x.shape[0] <= cpu_kernels.QGEMM_MAX_ROWS
 
 
 def float_cache_usable(x: torch.Tensor) -> bool:

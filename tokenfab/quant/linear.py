@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tokenfab import kernels as cpu_kernels
 from tokenfab.quant import gguf_blocks, kernels
 from tokenfab.quant.schemes import (dequantize_int4, dequantize_int8, pack_nibbles, padded_in_features,
                                     quantize_int4, quantize_int8, unpack_nibbles)
@@ -40,6 +41,7 @@ class QuantLinear(nn.Module):
         # memory; the engine turns it on when that fits its budget (engine.py).
         self.float_cache = False
         self._float: torch.Tensor | None = None
+        self._cpu: tuple | None = None          # the layout of tokenfab's C kernel (cpu_layout)
         if bias is not None:
             self.bias = nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         else:
@@ -59,12 +61,40 @@ class QuantLinear(nn.Module):
     def _prepare_input(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    # tokenfab's C kernel (tokenfab/kernels): reads the quantized weight directly, activations as int16
+    # blocks, for up to QGEMM_MAX_ROWS rows. Subclasses that support it return its layout here.
+    def cpu_layout(self) -> tuple | None:
+        """(q, d, m, group_size, bits) for kernels.qgemm, or None."""
+        return None
+
+    def _cpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        if x.shape[0] > cpu_kernels.QGEMM_MAX_ROWS or not cpu_kernels.usable(x) or not self.in_features % 32 == 0:
+            return None
+        if self._cpu is None:
+            self._cpu = self.cpu_layout() or ()
+        if not self._cpu:
+            return None
+        q, d, m, gs, bits = self._cpu
+        if x.shape[1] != q.shape[1] * (2 if bits == 4 else 1):          # int4 rows padded to whole groups
+            x = F.pad(x, (0, q.shape[1] * 2 - x.shape[1]))
+        return cpu_kernels.qgemm(x, q, d, m, gs, bits, self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = self._prepare_input(x.reshape(-1, self.in_features))
         cached = self.float_cache and kernels.float_cache_usable(x2)
-        if kernels.use_packed(self.kind, self.kernel, x2, self.packed_supported(), self.in_features * self.out_features,
-                              cached):
+        y = None
+        if self.kernel == "cpu" or (self.kernel == "auto" and kernels.use_cpu_kernel(x2)):
+            y = self._cpu_matmul(x2)
+            if y is None and self.kernel == "cpu":
+                raise ValueError(f"kernel='cpu' is not available for this {self.kind} layer with {x2.shape[0]} rows "
+                                 f"on {x2.device.type} (tokenfab's C kernel: CPU, float32, up to "
+                                 f"{cpu_kernels.QGEMM_MAX_ROWS} rows); use 'auto'")
+        if y is not None:
+            if self.bias is not None:
+                y = y + self.bias
+        elif kernels.use_packed(self.kind, self.kernel, x2, self.packed_supported(),
+                                self.in_features * self.out_features, cached):
             y = self._packed_matmul(x2)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
@@ -88,11 +118,11 @@ class QuantLinear(nn.Module):
 
     # the packed layout depends on the buffers and the device: rebuild after either changes
     def _apply(self, fn, recurse=True):
-        self._packed = self._float = None
+        self._packed = self._float = self._cpu = None
         return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._packed = self._float = None
+        self._packed = self._float = self._cpu = None
         return super()._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self) -> str:
@@ -123,6 +153,11 @@ class Int8Linear(QuantLinear):
 
     def packed_supported(self):
         return kernels.int8pack_supported(self.out_features, self.in_features)
+
+    def cpu_layout(self):
+        # one group spanning the row: the per-channel scale
+        return (self.qweight.contiguous(), self.scales[:, None].contiguous(), None, self.in_features, 8) \
+            if self.in_features % 32 == 0 else None
 
     def _packed_matmul(self, x):
         if self._packed is None:
@@ -201,6 +236,15 @@ class Int4Linear(QuantLinear):
     def packed_supported(self):
         return kernels.int4pack_supported(self.out_features, self.padded_in, self.group_size)
 
+    def cpu_layout(self):
+        if self.group_size % 32:
+            return None
+        q = self.unpacked_q()
+        n, kp = q.shape
+        blocks = q.view(n, kp // 32, 2, 16)        # GGUF's nibble order: byte j = weight j | weight j + 16
+        packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).contiguous().view(n, kp // 2)
+        return packed, self.scales.contiguous(), (self.zeros - 8 * self.scales).contiguous(), self.group_size, 4
+
     def _packed_matmul(self, x):
         if self._packed is None:
             self._packed = (kernels.pack_int4(self.unpacked_q()), kernels.int4_scales_and_zeros(self.scales, self.zeros))
@@ -262,6 +306,9 @@ class Q8_0Linear(QuantLinear):
 
     def packed_supported(self):
         return kernels.int4pack_supported(self.out_features, 2 * self.in_features, self.group_size)
+
+    def cpu_layout(self):
+        return self.qweight.contiguous(), self.scales.contiguous(), None, self.group_size, 8
 
     def _build_packed(self):
         q = self.qweight.to(torch.int16)
