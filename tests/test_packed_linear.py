@@ -62,7 +62,7 @@ def test_float_cache_turns_on_only_when_all_float_copies_fit():
     mods = nn.ModuleList([Int8Linear.from_float(torch.randn(64, 32)) for _ in range(3)])
     need = 3 * 64 * 32 * 4
     assert enable_float_cache(mods, need - 1) == 0 and not any(m.float_cache for m in mods)
-    assert enable_float_cache(mods, need) == need and all(m.float_cache for m in mods)
+    assert enable_float_cache(mods, need) == need and all(m.float_cache and m._float is not None for m in mods)
 
 
 def test_auto_kernel_switches_to_the_cached_float_weight_sooner():

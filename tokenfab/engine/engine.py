@@ -96,7 +96,7 @@ class LLMEngine:
         self.model = build_model(files, self.dtype, config.device, config.block_size, self.max_model_len + 1,
                                  config.quantization)
         pack_linears(self.model)      # float linears in oneDNN's layout on CPU (model/layers.py)
-        if config.device == "cpu":    # quantized layers keep a float copy for big batches when it fits
+        if config.device == "cpu" and self.dtype == torch.float32:   # float copies for big batches, if they fit
             enable_float_cache(self.model, int(available_memory(config.device) * FLOAT_CACHE_SHARE))
         del files
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

@@ -115,7 +115,13 @@ def set_enabled(on: bool) -> None:
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    return enabled() and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    """Kernels loaded, and every tensor float32 on the CPU. Runs several times per layer: kept cheap."""
+    if _lib is None and (_tried or not enabled()):
+        return False
+    for t in tensors:
+        if t.dtype is not torch.float32 or not t.is_cpu:
+            return False
+    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -82,7 +82,6 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = self._prepare_input(x.reshape(-1, self.in_features))
-        cached = self.float_cache and kernels.float_cache_usable(x2)
         y = None
         if self.kernel == "cpu" or (self.kernel == "auto" and kernels.use_cpu_kernel(x2)):
             y = self._cpu_matmul(x2)
@@ -90,6 +89,7 @@ class QuantLinear(nn.Module):
                 raise ValueError(f"kernel='cpu' is not available for this {self.kind} layer with {x2.shape[0]} rows "
                                  f"on {x2.device.type} (tokenfab's C kernel: CPU, float32, up to "
                                  f"{cpu_kernels.QGEMM_MAX_ROWS} rows); use 'auto'")
+        cached = y is None and self.float_cache and kernels.float_cache_usable(x2)
         if y is not None:
             if self.bias is not None:
                 y = y + self.bias
@@ -354,12 +354,13 @@ def empty_from_config(cfg: dict) -> QuantLinear:
 
 def enable_float_cache(model: nn.Module, max_bytes: int) -> int:
     """Turn on `float_cache` in every quantized linear if their float32 weights fit in `max_bytes`
-    together (all or none). Returns the bytes the caches may take (0: off)."""
+    together (all or none), and build the copies now. Returns the bytes they take (0: off)."""
     mods = [m for m in model.modules() if isinstance(m, QuantLinear) and not isinstance(m, W8A8Linear)]
     need = sum(4 * m.in_features * m.out_features for m in mods)
     on = 0 < need <= max_bytes
     for m in mods:
         m.float_cache = on
+        m._float = kernels.onednn_pack(m.dequantize(torch.float32)) if on else None   # now, not on a first big batch
     return need if on else 0
 
 
