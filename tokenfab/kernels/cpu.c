@@ -12,6 +12,36 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* e^x for 8 floats (x clamped to [-87.3, 88]): 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2, and a degree-6
+ * polynomial for e^r (Cephes' coefficients); within 2 ulp of expf. glibc's vector expf is only
+ * declared under -ffast-math, and a scalar expf per attention score cost more than the dot products. */
+static inline __m256 tf_exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float tf_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
 
 /* out[t] = w * x[t] / sqrt(mean(x[t]^2) + eps), as Hugging Face's LlamaRMSNorm in float32. */
 void tf_rms_norm(float *out, const float *x, const float *w, int64_t T, int64_t D, float eps) {
@@ -58,6 +88,115 @@ void tf_rope_write_kv(float *qkv, int64_t T, int64_t row_stride, int64_t H, int6
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* The G query heads that share kv head kh, against one sequence's keys and values (head_dim a
+ * multiple of 64). Scores 4 keys at a time for every head while those rows are in L1 (horizontal adds
+ * instead of one reduction per key), the vector exp, then P V per head with the output held in
+ * registers 64 dims at a time (V rows come from memory for the first head, from cache after).
+ * qg: the G heads' queries, D apart; o: their outputs, D apart; p: scratch of G * L floats. */
+static void tf_attend_group64(float *o, const float *qg, int64_t G, const float *k_cache, const float *v_cache,
+                              const int64_t *bt, int64_t L, int64_t bs, int64_t KVH, int64_t kh, int64_t D,
+                              float scale, float *p) {
+#define TF_ROW(cache, j) ((cache) + ((bt[(j) / bs] * bs + (j) % bs) * KVH + kh) * D)
+    int64_t j = 0;
+    for (; j + 4 <= L; j += 4) {
+        const float *k0 = TF_ROW(k_cache, j), *k1 = TF_ROW(k_cache, j + 1);
+        const float *k2 = TF_ROW(k_cache, j + 2), *k3 = TF_ROW(k_cache, j + 3);
+        for (int64_t g = 0; g < G; g++) {
+            const float *qh = qg + g * D;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qh + d);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+            }
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+            const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            _mm_storeu_ps(p + g * L + j, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+        }
+    }
+    for (; j < L; j++) {
+        const float *kr = TF_ROW(k_cache, j);
+        for (int64_t g = 0; g < G; g++) {
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8)
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + g * D + d), _mm256_loadu_ps(kr + d), a);
+            p[g * L + j] = tf_hsum(a) * scale;
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *pg = p + g * L, *og = o + g * D;
+        float m = -INFINITY, sum;
+        for (j = 0; j < L; j++) m = pg[j] > m ? pg[j] : m;
+        __m256 vsum = _mm256_setzero_ps();
+        const __m256 vm = _mm256_set1_ps(m);
+        for (j = 0; j + 8 <= L; j += 8) {
+            const __m256 e = tf_exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + j), vm));
+            _mm256_storeu_ps(pg + j, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        sum = tf_hsum(vsum);
+        for (; j < L; j++) {
+            pg[j] = expf(pg[j] - m);
+            sum += pg[j];
+        }
+        const __m256 vi = _mm256_set1_ps(1.f / sum);
+        for (int64_t c = 0; c < D; c += 64) {
+            __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
+            for (j = 0; j < L; j++) {
+                const float *vr = TF_ROW(v_cache, j) + c;
+                const __m256 pj = _mm256_set1_ps(pg[j]);
+                o0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr), o0);
+                o1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8), o1);
+                o2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 16), o2);
+                o3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 24), o3);
+                o4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 32), o4);
+                o5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 40), o5);
+                o6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 48), o6);
+                o7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 56), o7);
+            }
+            _mm256_storeu_ps(og + c, _mm256_mul_ps(o0, vi));
+            _mm256_storeu_ps(og + c + 8, _mm256_mul_ps(o1, vi));
+            _mm256_storeu_ps(og + c + 16, _mm256_mul_ps(o2, vi));
+            _mm256_storeu_ps(og + c + 24, _mm256_mul_ps(o3, vi));
+            _mm256_storeu_ps(og + c + 32, _mm256_mul_ps(o4, vi));
+            _mm256_storeu_ps(og + c + 40, _mm256_mul_ps(o5, vi));
+            _mm256_storeu_ps(og + c + 48, _mm256_mul_ps(o6, vi));
+            _mm256_storeu_ps(og + c + 56, _mm256_mul_ps(o7, vi));
+        }
+    }
+#undef TF_ROW
+}
+#endif
+
+/* Any head_dim: the plain loops. */
+static void tf_attend_head(float *o, const float *qh, const float *k_cache, const float *v_cache,
+                           const int64_t *bt, int64_t L, int64_t bs, int64_t KVH, int64_t kh, int64_t D,
+                           float scale, float *p) {
+    float m = -INFINITY, sum = 0.f;
+    for (int64_t j = 0; j < L; j++) {
+        const float *kr = k_cache + ((bt[j / bs] * bs + j % bs) * KVH + kh) * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; d++) dot += qh[d] * kr[d];
+        p[j] = dot * scale;
+        m = p[j] > m ? p[j] : m;
+    }
+    for (int64_t j = 0; j < L; j++) {
+        p[j] = expf(p[j] - m);
+        sum += p[j];
+    }
+    memset(o, 0, sizeof(float) * D);
+    for (int64_t j = 0; j < L; j++) {
+        const float *vr = v_cache + ((bt[j / bs] * bs + j % bs) * KVH + kh) * D;
+        const float pj = p[j] / sum;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) o[d] += pj * vr[d];
+    }
+}
+
 /* Decode attention straight from the paged pools, one query token per sequence:
  * out[b, h] = softmax(scale * q[b, h] . K[b]) V[b] over the sequence's first ctx_lens[b] tokens,
  * where token j of sequence b sits in block block_tables[b, j / bs] at offset j % bs.
@@ -68,50 +207,25 @@ void tf_decode_attention(float *out, const float *q, int64_t q_stride, const flo
                          const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
                          int64_t bs, float scale) {
     const int64_t G = H / KVH;
-    int64_t max_len = 0;
+    int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) max_len = ctx_lens[b] > max_len ? ctx_lens[b] : max_len;
 #pragma omp parallel if (B * KVH >= 2)
     {
-        float *p = (float *)malloc(sizeof(float) * G * (max_len > 0 ? max_len : 1));
-#pragma omp for schedule(dynamic)
+        float *p = (float *)malloc(sizeof(float) * (size_t)(G * max_len));
+#pragma omp for schedule(dynamic, 2)
         for (int64_t task = 0; task < B * KVH; task++) {
-            const int64_t b = task / KVH, kh = task % KVH, L = ctx_lens[b];
+            const int64_t b = task / KVH, kh = task % KVH;
             const int64_t *bt = block_tables + b * bt_stride;
-            const float *qg = q + b * q_stride + kh * G * D;
             float *o = out + (b * H + kh * G) * D;
-            for (int64_t j = 0; j < L; j++) {
-                const float *kr = k_cache + ((bt[j / bs] * bs + j % bs) * KVH + kh) * D;
-                for (int64_t g = 0; g < G; g++) {
-                    const float *qr = qg + g * D;
-                    float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < D; d++) dot += qr[d] * kr[d];
-                    p[g * L + j] = dot * scale;
-                }
+            const float *qg = q + b * q_stride + kh * G * D;
+#if defined(__AVX2__) && defined(__FMA__)
+            if (D % 64 == 0) {
+                tf_attend_group64(o, qg, G, k_cache, v_cache, bt, ctx_lens[b], bs, KVH, kh, D, scale, p);
+                continue;
             }
-            for (int64_t g = 0; g < G; g++) {
-                float *pg = p + g * L;
-                float m = -INFINITY, sum = 0.f;
-                for (int64_t j = 0; j < L; j++) m = pg[j] > m ? pg[j] : m;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t j = 0; j < L; j++) {
-                    pg[j] = expf(pg[j] - m);
-                    sum += pg[j];
-                }
-                const float inv = 1.f / sum;
-#pragma omp simd
-                for (int64_t j = 0; j < L; j++) pg[j] *= inv;
-            }
-            memset(o, 0, sizeof(float) * G * D);
-            for (int64_t j = 0; j < L; j++) {
-                const float *vr = v_cache + ((bt[j / bs] * bs + j % bs) * KVH + kh) * D;
-                for (int64_t g = 0; g < G; g++) {
-                    const float pj = p[g * L + j];
-                    float *og = o + g * D;
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) og[d] += pj * vr[d];
-                }
-            }
+#endif
+            for (int64_t g = 0; g < G; g++)
+                tf_attend_head(o + g * D, qg + g * D, k_cache, v_cache, bt, ctx_lens[b], bs, KVH, kh, D, scale, p);
         }
         free(p);
     }
@@ -123,8 +237,15 @@ void tf_silu_mul(float *out, const float *gate_up, int64_t T, int64_t I) {
     for (int64_t t = 0; t < T; t++) {
         const float *g = gate_up + t * 2 * I, *u = g + I;
         float *o = out + t * I;
-#pragma omp simd
-        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.f), tf_exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
     }
 }
 
@@ -153,14 +274,6 @@ static void tf_quantize_blocks(const float *x, int64_t n, int16_t *xq, float *dx
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-static inline float tf_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* A block's 32 weights widened to int16: w[0] holds weights 0..15, w[1] weights 16..31. */
 static inline __attribute__((always_inline)) void tf_load_weights(const void *q, int64_t b, int64_t bits, __m256i w[2]) {
