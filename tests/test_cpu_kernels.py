@@ -121,3 +121,30 @@ def test_quantized_gemm_runs_gguf_q4_1_blocks_as_shipped(bundled_path):
     x = torch.randn(2, in_features)
     ref = F.linear(x, ref_w)
     torch.testing.assert_close(layer._cpu_matmul(x), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+def test_decode_kernel_keeps_the_bundled_model_at_float_precision(bundled_files, monkeypatch):
+    """The whole bundled model (native Q4_1 layers, Q8_0 LM head) fed 8 rows at a time, as decode
+    steps are, through tf_qgemm: KL against the float model stays at rounding level (torch's packed
+    kernels with bf16 activations give ~1e-3)."""
+    from tokenfab.model.llama import full_logits
+    from tokenfab.quant.eval import compare_logits, next_token_targets
+    from tokenfab.quant.export import build_float_model
+    from tokenfab.quant.linear import QuantLinear, set_kernel
+    from tokenfab.quant.text import split_eval_calib, text_token_ids, token_windows
+
+    window = token_windows(split_eval_calib(text_token_ids(bundled_files.tokenizer))[0], 128, 1)[0]
+    rows, targets = next_token_targets(torch.tensor(window))
+    base = full_logits(build_float_model(bundled_files, 129, "none"), window)[rows]
+    native = build_float_model(bundled_files, 129, "gguf")
+    assert set_kernel(native, "cpu") >= 120          # 30 blocks x 4 linears, and the LM head
+    forward = QuantLinear.forward
+
+    def in_decode_sized_pieces(self, x):
+        x2 = x.reshape(-1, x.shape[-1])
+        step = kernels.QGEMM_MAX_ROWS
+        return torch.cat([forward(self, x2[i:i + step]) for i in range(0, x2.shape[0], step)])
+
+    monkeypatch.setattr(QuantLinear, "forward", in_decode_sized_pieces)
+    r = compare_logits(base, full_logits(native, window)[rows], targets)
+    assert r.kl_mean < 1e-5 and r.same_top1_pct == 100.0, r
