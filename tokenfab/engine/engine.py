@@ -109,6 +109,10 @@ class LLMEngine:
         self.prompts: dict[str, str | None] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # step_observer(steps, start, end, busy), if set, sees every step: (cached tokens before, new
+        # tokens) per scheduled sequence, perf_counter() at its start and end, and whether requests are
+        # left to run (e.g. tokenfab.plan.step_table.StepLog).
+        self.step_observer = None
         self.errors: dict[str, str] = {}      # request id -> why it failed, until its output is returned
 
     # -- requests --------------------------------------------------------------------------
@@ -181,9 +185,12 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch. Returns outputs of the requests that progressed or finished."""
+        t_start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        shapes = ([(s.num_computed_tokens, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+                  if self.step_observer is not None else None)
         now = time.monotonic()
         for seq in batch.seqs:
             if seq.scheduled_time is None:
@@ -207,7 +214,10 @@ class LLMEngine:
                 seq.status = SequenceStatus.FINISHED_ERROR
                 self.scheduler.remove(seq)
             touched[seq.request_id] = None
-        return [self._request_output(rid) for rid in touched]
+        outputs = [self._request_output(rid) for rid in touched]
+        if shapes is not None:
+            self.step_observer(shapes, t_start, time.perf_counter(), self.has_unfinished_requests())
+        return outputs
 
     def _append_token(self, seq: Sequence, tok, now: float) -> None:
         seq.token_ids.append(tok.token_id)

@@ -109,6 +109,17 @@ def add_parser(subparsers) -> None:
                                                         "to use instead of the roofline")
     s.set_defaults(func=_handler("capacity"))
 
+    s = subs.add_parser("validate", parents=[o], help="the simulator's error against a measured bench run")
+    s.add_argument("--bench", required=True, metavar="FILE", help="a `tokenfab bench serve --out` result")
+    s.add_argument("--run", type=int, default=0, help="which run of the file (sweeps hold several)")
+    s.add_argument("--step-table", required=True, metavar="FILE",
+                   help="measured steps (`serve --step-log`, `calibrate --save-table`), ideally from another run")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="the server's setting (default: tokenfab's 64)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the server's setting (default 2048)")
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--num-kv-blocks", type=int, help="the server's KV pool in blocks (default: unlimited)")
+    s.set_defaults(func=_handler("validate"))
+
     s = subs.add_parser("probe", parents=[o], help="measure this machine's bandwidth and matmul peak")
     s.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     s.add_argument("--name", help="entry name (default local-DEVICE)")

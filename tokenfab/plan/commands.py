@@ -350,3 +350,17 @@ def run_calibrate(args, progress=None) -> dict:
             yaml.safe_dump({"hardware": name, "model": model.name, "rows": rows}, f, sort_keys=False)
         out["table"] = args.save_table
     return out
+
+
+def run_validate(args) -> dict:
+    from tokenfab.plan.simulate import SchedulerConfig
+    from tokenfab.plan.step_table import MeasuredStepCost
+    from tokenfab.plan.validate import validate
+
+    cost = MeasuredStepCost.from_file(args.step_table)
+    config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks)
+    v = validate(args.bench, cost, config, args.run)
+    return {"command": "validate", **v.as_dict(),
+            "cost_model": {"kind": "measured step table", "file": args.step_table, **cost.as_dict()},
+            "scheduler": {k: getattr(config, k) for k in config.__dataclass_fields__}}

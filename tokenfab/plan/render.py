@@ -204,3 +204,18 @@ def calibrate(r: dict) -> None:
         console.print(f"[yellow]warning:[/] {w}")
     if r.get("written"):
         console.print(f"written to {r['written']}")
+
+
+def validate(r: dict) -> None:
+    from tokenfab.plan.validate import METRICS
+    con = console
+    cm = r["cost_model"]
+    con.print(f"[bold]{r['bench']}[/] run {r['run']}: {r['requests']} requests replayed through the simulator "
+              f"with the step table {cm['file']} ({cm['rows']} rows, fit error {cm['mean_abs_rel_error']:.0%})")
+    t = Table()
+    for col in ("metric", "measured", "predicted", "error"):
+        t.add_column(col, justify="left" if col == "metric" else "right")
+    for key, label in METRICS:
+        err = r["relative_error"][key]
+        t.add_row(label, _num(r["measured"][key]), _num(r["predicted"][key]), f"{err:+.1%}")
+    con.print(t)

@@ -67,12 +67,7 @@ class MeasuredStepCost:
 
     @classmethod
     def from_file(cls, path: str | Path, window: int | None = None, global_frac: float = 1.0) -> "MeasuredStepCost":
-        text = Path(path).expanduser().read_text()
-        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
-        rows = data.get("rows") if isinstance(data, dict) else data
-        if not isinstance(rows, list):
-            raise ValueError(f"{path}: expected a list of step rows or a mapping with 'rows'")
-        return cls.fit(rows, window=window, global_frac=global_frac)
+        return cls.fit(read_rows(path), window=window, global_frac=global_frac)
 
     def new_shape(self) -> StepShape:
         return StepShape(window=self.window, global_frac=self.global_frac)
@@ -85,6 +80,61 @@ class MeasuredStepCost:
     def as_dict(self) -> dict:
         return {"intercept_s": self.intercept, "coef": self.coef, "rows": self.rows,
                 "mean_abs_rel_error": self.mean_abs_rel_error}
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Rows from a YAML or JSON file (a list, or {rows: [...]}) or a JSON-lines file (.jsonl, one row
+    per line: what `tokenfab serve --step-log` writes)."""
+    p = Path(path).expanduser()
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the step table ({e.strerror})") from None
+    try:
+        if p.suffix == ".jsonl":
+            return [json.loads(line) for line in text.splitlines() if line.strip()]
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except ValueError as e:
+        raise ValueError(f"{path}: not a step table ({e})") from None
+    rows = data.get("rows") if isinstance(data, dict) else data
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: expected a list of step rows or a mapping with 'rows'")
+    return rows
+
+
+class StepLog:
+    """Appends one JSON line per engine step to a file: the step's shape and its duration.
+
+    Hook it into an engine (`engine.step_observer = StepLog(path)`): a table of what the real server
+    ran under real load, for `plan capacity --step-table` and `plan validate`. A step's duration runs
+    to the start of the next step when requests were left in flight (so the serving loop's own work
+    between steps is counted, as a client feels it), else to its own end."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).expanduser()
+        self._f = open(self.path, "a", buffering=1)        # line-buffered: rows survive a crash
+        self._pending: tuple[StepShape, float, float, bool] | None = None
+
+    def __call__(self, steps: list[tuple[int, int]], start: float, end: float, busy: bool) -> None:
+        """steps: (cached tokens before the step, new tokens) per scheduled sequence."""
+        self._flush(start)
+        s = StepShape()
+        for computed, n in steps:
+            s.add(computed, n)
+        self._pending = (s, start, end, busy)
+
+    def _flush(self, next_start: float | None) -> None:
+        if self._pending is None:
+            return
+        s, start, end, busy = self._pending
+        step_s = (next_start if busy and next_start is not None else end) - start
+        self._f.write(json.dumps({"num_tokens": s.num_tokens, "num_seqs": s.num_seqs, "attn_pairs": s.attn_pairs,
+                                  "kv_tokens": s.kv_tokens, "step_s": round(step_s, 7)}) + "\n")
+        self._pending = None
+
+    def close(self) -> None:
+        self._flush(None)
+        self._f.close()
 
 
 def shape_row(computed: int, n: int, count: int, step_s: float) -> dict:

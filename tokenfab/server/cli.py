@@ -39,6 +39,9 @@ def add_parser(subparsers) -> None:
                    help="seconds to let in-flight requests finish after SIGTERM (default: 30)")
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log one line per request")
+    g.add_argument("--step-log", metavar="FILE.jsonl",
+                   help="append one JSON line per engine step (shape and wall time): a measured step table for "
+                        "`tokenfab plan capacity --step-table` and `plan validate`")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="log level (default: info)")
     p.set_defaults(func=serve_command)
@@ -62,6 +65,14 @@ def serve_command(args: argparse.Namespace) -> int:
     from tokenfab.engine_args import engine_config_from_args
     engine_config = engine_config_from_args(args)
     server_config = server_config_from_args(args)
+    step_log = None
+    if args.step_log:                   # opened before the slow model load, so a bad path fails fast
+        from tokenfab.cli import CLIError
+        from tokenfab.plan.step_table import StepLog
+        try:
+            step_log = StepLog(args.step_log)
+        except OSError as e:
+            raise CLIError(f"--step-log {args.step_log}: {e.strerror}") from None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     log = logging.getLogger("tokenfab.server")
@@ -73,6 +84,7 @@ def serve_command(args: argparse.Namespace) -> int:
     sock = bind_socket(server_config.host, server_config.port)   # fail fast, before the model loads
     engine = _load_engine(engine_config)
 
+    engine.step_observer = step_log
     from tokenfab.server.app import build_app
     app = build_app(engine, server_config)
     state = app.state.tokenfab
@@ -84,7 +96,11 @@ def serve_command(args: argparse.Namespace) -> int:
         if env and not os.environ.get(API_KEY_ENV):
             print(f"(set {API_KEY_ENV} to your key first, or paste it in place of ${API_KEY_ENV})\n", flush=True)
 
-    make_server(app, server_config.shutdown_timeout, on_ready=ready).run(sockets=[sock])
+    try:
+        make_server(app, server_config.shutdown_timeout, on_ready=ready).run(sockets=[sock])
+    finally:
+        if step_log is not None:
+            step_log.close()
     return 0
 
 

@@ -1,0 +1,95 @@
+"""How well does the planner's simulator predict a real serving run? One script, end to end:
+
+1. serve the bundled model with `--step-log` and drive it with `tokenfab bench serve` over a sweep of
+   request rates (the training load): every engine step is logged with its shape and wall time;
+2. serve it again, without the log, and measure one held-out run at another rate;
+3. `tokenfab plan validate`: replay that run's exact arrivals through the simulator with a step
+   table fitted to the training steps, and print predicted against measured P50 TPOT, P99 TTFT and
+   output throughput.
+
+    python benchmarks/plan_validate.py                       # defaults below
+    python benchmarks/plan_validate.py --train-rates 0.5,1,2 --rate 0.8 --num-prompts 40
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(extra: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(["tokenfab", "serve", "--port", str(port), "--no-access-log", "--log-level", "warning",
+                             *extra], stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit("the server exited during start-up")
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not come up in 5 minutes")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def bench(url: str, args, extra: list[str]) -> None:
+    cmd = ["tokenfab", "bench", "serve", "--base-url", url, "--num-prompts", str(args.num_prompts),
+           "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--range-ratio", "0.5",
+           "--no-progress", *extra]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--train-rates", default="0.5,1,2,4", help="request rates of the logged (training) sweep")
+    ap.add_argument("--rate", type=float, default=1.5, help="request rate of the held-out run")
+    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--dir", default=None, help="where the step log and bench result go (default: a temp dir)")
+    args = ap.parse_args()
+    out = args.dir or tempfile.mkdtemp(prefix="tokenfab-plan-validate-")
+    os.makedirs(out, exist_ok=True)
+    steps, held_out = os.path.join(out, "steps.jsonl"), os.path.join(out, "held_out.json")
+    if os.path.exists(steps):
+        os.unlink(steps)
+
+    proc, url = serve(["--step-log", steps])
+    try:
+        bench(url, args, ["--sweep", args.train_rates, "--seed", "1"])
+    finally:
+        stop(proc)
+    proc, url = serve([])
+    try:
+        bench(url, args, ["--request-rate", str(args.rate), "--seed", "2", "--out", held_out])
+    finally:
+        stop(proc)
+    print(f"command: python benchmarks/plan_validate.py {' '.join(sys.argv[1:])}\nfiles in {out}", flush=True)
+    subprocess.run(["tokenfab", "plan", "validate", "--bench", held_out, "--step-table", steps], check=True)
+
+
+if __name__ == "__main__":
+    main()
