@@ -8,7 +8,7 @@
    output throughput.
 
     python benchmarks/plan_validate.py                       # defaults below
-    python benchmarks/plan_validate.py --train-rates 0.5,1,2 --rate 0.8 --num-prompts 40
+    python benchmarks/plan_validate.py --train-rates 0.5,1,2,4 --rate 1.5 --num-prompts 40
 """
 from __future__ import annotations
 
@@ -64,9 +64,9 @@ def bench(url: str, args, extra: list[str]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--train-rates", default="0.5,1,2,4", help="request rates of the logged (training) sweep")
-    ap.add_argument("--rate", type=float, default=1.5, help="request rate of the held-out run")
-    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--train-rates", default="0.5,1,2", help="request rates of the logged (training) sweep")
+    ap.add_argument("--rate", type=float, default=0.8, help="request rate of the held-out run (below saturation)")
+    ap.add_argument("--num-prompts", type=int, default=60)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--dir", default=None, help="where the step log and bench result go (default: a temp dir)")
