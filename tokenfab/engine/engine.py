@@ -5,7 +5,6 @@ The offline `LLM`, the CLI and the server's AsyncEngine all drive this class.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 

@@ -15,8 +15,9 @@ Four paths compute the same thing:
   over the weight per call, which a GEMM over many tokens amortizes; it is also the path for CUDA and
   for shapes the packed kernels reject, and the exact reference in tests.
 
-`auto` takes the cpu path up to `QGEMM_MAX_ROWS` rows, else the packed path up to `packed_max_tokens(kind, weight size)` tokens, else the float cache
-or dequant. The numbers come from benchmarks/quant_kernels.py (table in docs/quant.md).
+`auto` takes the cpu path up to `QGEMM_MAX_ROWS` rows, else the packed path up to
+`packed_max_tokens(kind, weight size)` tokens, else the float cache or dequant. The numbers come from
+benchmarks/quant_kernels.py (table in docs/quant.md) and engine runs (docs/architecture.md).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenfab import kernels as cpu_kernels
-from tokenfab.model.layers import onednn_linear, onednn_pack, packed_linear_supported  # noqa: F401
+from tokenfab.model.layers import packed_linear_supported
 
 KERNELS = ("auto", "cpu", "packed", "dequant")
 
@@ -166,5 +167,4 @@ def w8a8_linear(x: torch.Tensor, packed) -> torch.Tensor:
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
     xn = torch.cat([xf / amax, _range_row(x.shape[1])])
-    return torch.ops.quantized.linear_dynamic(xn, packed, REDUCE_RANGE)[:-1] * amax
-REDUCE_RANGE = True
+    return torch.ops.quantized.linear_dynamic(xn, packed, True)[:-1] * amax   # True: reduce_range

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tokenfab import kernels as cpu_kernels
+from tokenfab.model.layers import onednn_linear, onednn_pack
 from tokenfab.quant import gguf_blocks, kernels
 from tokenfab.quant.schemes import (dequantize_int4, dequantize_int8, pack_nibbles, padded_in_features,
                                     quantize_int4, quantize_int8, unpack_nibbles)
@@ -100,8 +101,8 @@ class QuantLinear(nn.Module):
                 y = y + self.bias.to(y.dtype)
         elif cached:
             if self._float is None:
-                self._float = kernels.onednn_pack(self.dequantize(torch.float32))
-            y = kernels.onednn_linear(x2, self._float, self.bias)
+                self._float = onednn_pack(self.dequantize(torch.float32))
+            y = onednn_linear(x2, self._float, self.bias)
         else:
             bias = None if self.bias is None else self.bias.to(x2.dtype)
             y = F.linear(x2, self.dequantize(x2.dtype), bias)
@@ -360,7 +361,7 @@ def enable_float_cache(model: nn.Module, max_bytes: int) -> int:
     on = 0 < need <= max_bytes
     for m in mods:
         m.float_cache = on
-        m._float = kernels.onednn_pack(m.dequantize(torch.float32)) if on else None   # now, not on a first big batch
+        m._float = onednn_pack(m.dequantize(torch.float32)) if on else None   # now, not on a first big batch
     return need if on else 0
 
 
