@@ -324,3 +324,37 @@ def test_slow_reader_gets_the_newest_output_then_the_end():
         return await read_all(done), await read_all(failed)
 
     assert asyncio.run(main()) == ([5], [1, "boom"])
+
+
+@pytest.mark.skipif(__import__("torch").get_num_threads() < 2, reason="needs 2 torch threads to tell them apart")
+def test_small_steps_run_on_small_batch_threads_and_big_ones_on_all(bundled_files):
+    import asyncio
+
+    import torch
+
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.engine.async_engine import SMALL_BATCH, AsyncEngine
+
+    full = torch.get_num_threads()
+    llm = LLM(loaded=bundled_files, max_model_len=256, num_kv_blocks=128)
+    seen: list[tuple[int, int]] = []          # (sequences in the step, threads it ran on)
+    llm.engine.step_observer = lambda steps, start, end, busy: seen.append((len(steps), torch.get_num_threads()))
+    eng = AsyncEngine(llm.engine, small_batch_threads=1)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+    async def run(n: int) -> None:
+        streams = await asyncio.gather(*(eng.add_request(f"r{n}-{i}", [5, 6, 7, i + 8], params) for i in range(n)))
+        for s in streams:
+            async for _ in s:
+                pass
+
+    async def main() -> None:
+        eng.start()
+        await run(1)
+        await run(SMALL_BATCH + 4)
+        await eng.stop()
+
+    asyncio.run(main())
+    assert seen and all(t == 1 for n, t in seen if n == 1)
+    assert any(t == full for n, t in seen if n > SMALL_BATCH)
+    assert torch.get_num_threads() == full          # the caller's setting is untouched

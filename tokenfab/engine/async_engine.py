@@ -29,8 +29,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from tokenfab.outputs import RequestOutput
 from tokenfab.sampling import SamplingParams
+
+SMALL_BATCH = 4      # sequences: up to this many, a step runs on small_batch_threads (if set)
 
 log = logging.getLogger("tokenfab.engine")
 
@@ -130,8 +134,13 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine, *, max_waiting_requests: int | None = None, max_consecutive_failures: int = 3,
-                 listener: EngineListener | None = None) -> None:
+                 listener: EngineListener | None = None, small_batch_threads: int | None = None) -> None:
+        """small_batch_threads: torch/OpenMP threads for steps of at most SMALL_BATCH sequences (None:
+        always torch's setting). On a CPU with few cores, small decode steps are bound by memory and
+        dispatch, and leaving a core to the event loop (HTTP, SSE) beats one more compute thread
+        fighting it for the core (docs/serving.md); big batches get every thread back."""
         self.engine = engine
+        self.small_batch_threads = small_batch_threads
         self.max_waiting_requests = max_waiting_requests
         self.max_consecutive_failures = max_consecutive_failures
         self.listener = listener
@@ -277,8 +286,15 @@ class AsyncEngine:
         except RuntimeError:                 # the event loop is closed: nobody is listening any more
             pass
 
+    def _threads_for_next_step(self, full: int) -> None:
+        small = self._stats.num_running + self._stats.num_waiting <= SMALL_BATCH    # stats: just refreshed
+        want = self.small_batch_threads if small else full
+        if want != torch.get_num_threads():
+            torch.set_num_threads(want)
+
     def _run(self) -> None:
         failures = 0
+        full_threads = torch.get_num_threads()
         try:
             while True:
                 busy = self.engine.has_unfinished_requests()
@@ -287,6 +303,8 @@ class AsyncEngine:
                 self._stats = self.engine.stats()
                 if not self.engine.has_unfinished_requests():
                     continue
+                if self.small_batch_threads:
+                    self._threads_for_next_step(full_threads)
                 try:
                     t0 = time.monotonic()
                     outputs = self.engine.step()

@@ -39,6 +39,9 @@ def add_parser(subparsers) -> None:
                    help="seconds to let in-flight requests finish after SIGTERM (default: 30)")
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log one line per request")
+    g.add_argument("--small-batch-threads", type=int, default=None, metavar="N",
+                   help="torch threads for steps of at most 4 sequences; 0 = always all (default: cores - 1 on "
+                        "machines with 2-4 cores, leaving one to the HTTP side; else all)")
     g.add_argument("--step-log", metavar="FILE.jsonl",
                    help="append one JSON line per engine step (shape and wall time): a measured step table for "
                         "`tokenfab plan capacity --step-table` and `plan validate`")
@@ -56,9 +59,19 @@ def server_config_from_args(args: argparse.Namespace):
                           served_model_names=list(args.served_model_name or []),
                           max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
                           allowed_origins=list(args.allowed_origins or []), shutdown_timeout=args.shutdown_timeout,
-                          access_log=args.access_log)
+                          access_log=args.access_log, small_batch_threads=small_batch_threads(args.small_batch_threads))
     config.validate()
     return config
+
+
+def small_batch_threads(flag: int | None) -> int | None:
+    """--small-batch-threads: None (unset) picks cores - 1 on 2-4 core machines; 0 turns it off."""
+    if flag is not None:
+        if flag < 0:
+            raise ValueError(f"--small-batch-threads must be 0 (off) or positive, got {flag}")
+        return flag or None
+    cores = os.cpu_count() or 1
+    return cores - 1 if 2 <= cores <= 4 else None
 
 
 def serve_command(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)   # CORS; empty: no CORS headers at all
     shutdown_timeout: float = 30.0           # seconds to drain in-flight requests after SIGTERM
     access_log: bool = True
+    small_batch_threads: int | None = None   # torch threads for steps of few sequences; None: torch's setting
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
