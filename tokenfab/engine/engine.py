@@ -19,10 +19,10 @@ from tokenfab.engine.scheduler import Scheduler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.model.attention import kv_bytes_per_token
 from tokenfab.model.layers import pack_linears
-from tokenfab.quant.linear import enable_float_cache
 from tokenfab.model.llama import build_model
 from tokenfab.model.loader import LoadedModel, load_model_files
 from tokenfab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenfab.quant.linear import enable_float_cache
 from tokenfab.sampling import SamplingParams
 
 log = logging.getLogger("tokenfab.engine")

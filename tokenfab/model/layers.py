@@ -96,8 +96,7 @@ def pack_linears(model: nn.Module) -> int:
     For the engine's forward only: offline tools (quantization, evaluation) look for `nn.Linear`s. A
     linear whose weight no other module shares gives its plain copy up (the packed one replaces it).
     """
-    shared = {id(p) for name, m in model.named_modules() if not isinstance(m, nn.Linear)
-              for p in m.parameters(recurse=False)}
+    shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
     n = 0
     for name, mod in list(model.named_modules()):
         if type(mod) is not nn.Linear or not packed_linear_supported(mod.weight.device, mod.weight.dtype):

@@ -62,6 +62,12 @@ class QuantLinear(nn.Module):
     def _prepare_input(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    def _float_weight(self) -> torch.Tensor:
+        """The float_cache copy, built on first use."""
+        if self._float is None:
+            self._float = onednn_pack(self.dequantize(torch.float32))
+        return self._float
+
     # tokenfab's C kernel (tokenfab/kernels): reads the quantized weight directly, activations as int16
     # blocks, for up to QGEMM_MAX_ROWS rows. Subclasses that support it return its layout here.
     def cpu_layout(self) -> tuple | None:
@@ -100,9 +106,7 @@ class QuantLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
         elif cached:
-            if self._float is None:
-                self._float = onednn_pack(self.dequantize(torch.float32))
-            y = onednn_linear(x2, self._float, self.bias)
+            y = onednn_linear(x2, self._float_weight(), self.bias)
         else:
             bias = None if self.bias is None else self.bias.to(x2.dtype)
             y = F.linear(x2, self.dequantize(x2.dtype), bias)
@@ -361,12 +365,12 @@ def enable_float_cache(model: nn.Module, max_bytes: int) -> int:
     on = 0 < need <= max_bytes
     for m in mods:
         m.float_cache = on
-        m._float = onednn_pack(m.dequantize(torch.float32)) if on else None   # now, not on a first big batch
+        m._float = m._float_weight() if on else None      # built now, not on a first big batch
     return need if on else 0
 
 
 def set_kernel(model: nn.Module, kernel: str) -> int:
-    """Set the kernel path ("auto" | "packed" | "dequant") on every quantized linear; returns how many."""
+    """Set the kernel path ("auto" | "cpu" | "packed" | "dequant") on every quantized linear; returns how many."""
     if kernel not in kernels.KERNELS:
         raise ValueError(f"kernel must be one of {kernels.KERNELS}, got {kernel!r}")
     mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
