@@ -337,13 +337,15 @@ def test_small_steps_run_on_small_batch_threads_and_big_ones_on_all(bundled_file
 
     full = torch.get_num_threads()
     llm = LLM(loaded=bundled_files, max_model_len=256, num_kv_blocks=128)
-    seen: list[tuple[int, int]] = []          # (sequences in the step, threads it ran on)
-    llm.engine.step_observer = lambda steps, start, end, busy: seen.append((len(steps), torch.get_num_threads()))
+    seen: list[tuple[int, int, int]] = []     # (sequences, tokens, threads) per step
+    llm.engine.step_observer = lambda steps, start, end, busy: seen.append(
+        (len(steps), sum(n for _, n in steps), torch.get_num_threads()))
     eng = AsyncEngine(llm.engine, small_batch_threads=1)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
-    async def run(n: int) -> None:
-        streams = await asyncio.gather(*(eng.add_request(f"r{n}-{i}", [5, 6, 7, i + 8], params) for i in range(n)))
+    async def run(n: int, prompt_len: int = 4) -> None:
+        streams = await asyncio.gather(*(eng.add_request(f"r{n}-{prompt_len}-{i}", [5] * (prompt_len - 1) + [i + 8],
+                                                         params) for i in range(n)))
         for s in streams:
             async for _ in s:
                 pass
@@ -351,10 +353,13 @@ def test_small_steps_run_on_small_batch_threads_and_big_ones_on_all(bundled_file
     async def main() -> None:
         eng.start()
         await run(1)
+        await run(1, prompt_len=32)            # one sequence, but its prefill is a big step
         await run(SMALL_BATCH + 4)
         await eng.stop()
 
     asyncio.run(main())
-    assert seen and all(t == 1 for n, t in seen if n == 1)
-    assert any(t == full for n, t in seen if n > SMALL_BATCH)
+    assert all(t == 1 for n, tok, t in seen if tok <= SMALL_BATCH)
+    assert [t for n, tok, t in seen if n == 1 and tok == 32] == [full]
+    assert any(t == full for n, tok, t in seen if n > SMALL_BATCH)
+    assert llm.engine.before_execute is None        # the hook goes with the worker
     assert torch.get_num_threads() == full          # the caller's setting is untouched

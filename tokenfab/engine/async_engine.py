@@ -21,6 +21,7 @@ Failures:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -34,7 +35,7 @@ import torch
 from tokenfab.outputs import RequestOutput
 from tokenfab.sampling import SamplingParams
 
-SMALL_BATCH = 4      # sequences: up to this many, a step runs on small_batch_threads (if set)
+SMALL_BATCH = 4      # tokens: a step computing at most this many runs on small_batch_threads (if set)
 
 log = logging.getLogger("tokenfab.engine")
 
@@ -135,10 +136,10 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, engine, *, max_waiting_requests: int | None = None, max_consecutive_failures: int = 3,
                  listener: EngineListener | None = None, small_batch_threads: int | None = None) -> None:
-        """small_batch_threads: torch/OpenMP threads for steps of at most SMALL_BATCH sequences (None:
-        always torch's setting). On a CPU with few cores, small decode steps are bound by memory and
-        dispatch, and leaving a core to the event loop (HTTP, SSE) beats one more compute thread
-        fighting it for the core (docs/serving.md); big batches get every thread back."""
+        """small_batch_threads: torch/OpenMP threads for steps computing at most SMALL_BATCH tokens
+        (None: always torch's setting). On a CPU with few cores, small decode steps are bound by memory
+        and dispatch, and leaving a core to the event loop (HTTP, SSE) beats one more compute thread
+        fighting it for the core (docs/serving.md); big batches and every prefill get all threads."""
         self.engine = engine
         self.small_batch_threads = small_batch_threads
         self.max_waiting_requests = max_waiting_requests
@@ -286,15 +287,17 @@ class AsyncEngine:
         except RuntimeError:                 # the event loop is closed: nobody is listening any more
             pass
 
-    def _threads_for_next_step(self, full: int) -> None:
-        small = self._stats.num_running + self._stats.num_waiting <= SMALL_BATCH    # stats: just refreshed
-        want = self.small_batch_threads if small else full
+    def _threads_for_step(self, full: int, num_tokens: int) -> None:
+        """The engine's before_execute hook: decided on the scheduled step's size, so a prefill
+        never runs on the reduced thread count."""
+        want = self.small_batch_threads if num_tokens <= SMALL_BATCH else full
         if want != torch.get_num_threads():
             torch.set_num_threads(want)
 
     def _run(self) -> None:
         failures = 0
-        full_threads = torch.get_num_threads()
+        if self.small_batch_threads:
+            self.engine.before_execute = functools.partial(self._threads_for_step, torch.get_num_threads())
         try:
             while True:
                 busy = self.engine.has_unfinished_requests()
@@ -303,8 +306,6 @@ class AsyncEngine:
                 self._stats = self.engine.stats()
                 if not self.engine.has_unfinished_requests():
                     continue
-                if self.small_batch_threads:
-                    self._threads_for_next_step(full_threads)
                 try:
                     t0 = time.monotonic()
                     outputs = self.engine.step()
@@ -326,6 +327,8 @@ class AsyncEngine:
             self.dead_reason = f"{type(e).__name__}: {e}"
             log.critical("engine loop died: %s", self.dead_reason, exc_info=True)
             self._post(self._on_dead)
+        finally:
+            self.engine.before_execute = None
 
     def _take_commands(self, block: bool) -> list:
         cmds = [self._inbox.get()] if block else []

@@ -112,6 +112,9 @@ class LLMEngine:
         # tokens) per scheduled sequence, perf_counter() at its start and end, and whether requests are
         # left to run (e.g. tokenfab.plan.step_table.StepLog).
         self.step_observer = None
+        # before_execute(num_tokens), if set, runs once a step is scheduled, before the model: e.g.
+        # AsyncEngine picking a thread count for the step's size.
+        self.before_execute = None
         self.errors: dict[str, str] = {}      # request id -> why it failed, until its output is returned
 
     # -- requests --------------------------------------------------------------------------
@@ -194,6 +197,8 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.scheduled_time is None:
                 seq.scheduled_time = now
+        if self.before_execute is not None:
+            self.before_execute(sum(batch.num_new_tokens))
         step = self.runner.prepare(batch)
         logits = self.runner.execute(step)
         rows = [SampleRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in step.sampling_seqs]

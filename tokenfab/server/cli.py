@@ -40,7 +40,7 @@ def add_parser(subparsers) -> None:
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log one line per request")
     g.add_argument("--small-batch-threads", type=int, default=None, metavar="N",
-                   help="torch threads for steps of at most 4 sequences; 0 = always all (default: cores - 1 on "
+                   help="torch threads for steps of at most 4 tokens (small decodes); 0 = always all (default: cores - 1 on "
                         "machines with 2-4 cores, leaving one to the HTTP side; else all)")
     g.add_argument("--step-log", metavar="FILE.jsonl",
                    help="append one JSON line per engine step (shape and wall time): a measured step table for "
