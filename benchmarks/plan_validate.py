@@ -7,8 +7,12 @@
    table fitted to the training steps, and print predicted against measured P50 TPOT, P99 TTFT and
    output throughput.
 
+The held-out server logs its steps too (never used for the prediction): validating against a table
+fitted to the held-out run's own steps, printed second, tells how much of the error is the step
+costs moving between runs (machine noise) and how much is the simulator.
+
     python benchmarks/plan_validate.py                       # defaults below
-    python benchmarks/plan_validate.py --train-rates 0.5,1,2,4 --rate 1.5 --num-prompts 40
+    python benchmarks/plan_validate.py --train-rates 0.5,1,2,4 --rate 1.5 --held-out-prompts 80
 """
 from __future__ import annotations
 
@@ -55,8 +59,8 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def bench(url: str, args, extra: list[str]) -> None:
-    cmd = ["tokenfab", "bench", "serve", "--base-url", url, "--num-prompts", str(args.num_prompts),
+def bench(url: str, args, num_prompts: int, extra: list[str]) -> None:
+    cmd = ["tokenfab", "bench", "serve", "--base-url", url, "--num-prompts", str(num_prompts),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--range-ratio", "0.5",
            "--no-progress", *extra]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -66,7 +70,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train-rates", default="0.5,1,2", help="request rates of the logged (training) sweep")
     ap.add_argument("--rate", type=float, default=0.8, help="request rate of the held-out run (below saturation)")
-    ap.add_argument("--num-prompts", type=int, default=60)
+    ap.add_argument("--num-prompts", type=int, default=60, help="requests per training rate")
+    ap.add_argument("--held-out-prompts", type=int, default=150,
+                    help="requests in the held-out run (its P99 TTFT is about its 2nd-largest at 150)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--dir", default=None, help="where the step log and bench result go (default: a temp dir)")
@@ -74,21 +80,26 @@ def main() -> None:
     out = args.dir or tempfile.mkdtemp(prefix="tokenfab-plan-validate-")
     os.makedirs(out, exist_ok=True)
     steps, held_out = os.path.join(out, "steps.jsonl"), os.path.join(out, "held_out.json")
-    if os.path.exists(steps):
-        os.unlink(steps)
+    held_out_steps = os.path.join(out, "held_out_steps.jsonl")
+    for f in (steps, held_out_steps):
+        if os.path.exists(f):
+            os.unlink(f)
 
     proc, url = serve(["--step-log", steps])
     try:
-        bench(url, args, ["--sweep", args.train_rates, "--seed", "1"])
+        bench(url, args, args.num_prompts, ["--sweep", args.train_rates, "--seed", "1"])
     finally:
         stop(proc)
-    proc, url = serve([])
+    proc, url = serve(["--step-log", held_out_steps])
     try:
-        bench(url, args, ["--request-rate", str(args.rate), "--seed", "2", "--out", held_out])
+        bench(url, args, args.held_out_prompts, ["--request-rate", str(args.rate), "--seed", "2", "--out", held_out])
     finally:
         stop(proc)
     print(f"command: python benchmarks/plan_validate.py {' '.join(sys.argv[1:])}\nfiles in {out}", flush=True)
+    print("\nThe prediction (step table from the training sweep):", flush=True)
     subprocess.run(["tokenfab", "plan", "validate", "--bench", held_out, "--step-table", steps], check=True)
+    print("\nDiagnosis only (step table from the held-out run's own steps):", flush=True)
+    subprocess.run(["tokenfab", "plan", "validate", "--bench", held_out, "--step-table", held_out_steps], check=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from tokenfab.plan import roofline
@@ -10,7 +11,7 @@ from tokenfab.plan.hardware import Hardware, read_hardware_file, save_entry
 from tokenfab.plan.models import preset
 from tokenfab.plan.roofline import Deployment, Efficiency, RooflineCost
 from tokenfab.plan.simulate import SchedulerConfig, simulate
-from tokenfab.plan.step_table import MeasuredStepCost, shape_row
+from tokenfab.plan.step_table import MeasuredStepCost, choose_knots, shape_row
 from tokenfab.plan.workload import make_requests, parse_length
 
 HW = Hardware(name="cpu-like", memory_gib=16, bandwidth_gb_s=20, tflops={"fp32": 0.2})
@@ -67,6 +68,39 @@ def test_measured_step_table_replaces_the_roofline_in_the_simulator():
     assert table.step_time(s) == pytest.approx(truth(10, 10, 3010), rel=1e-6)
     reqs = make_requests(5.0, 50, parse_length("200"), parse_length("20"), seed=1)
     assert len(simulate(table, reqs, SchedulerConfig()).requests) == 50
+
+
+def test_step_table_follows_a_regime_switch_that_one_line_cannot():
+    # An engine like tokenfab on CPU: up to 8 rows a decode kernel costing 8 ms a row, above that a
+    # GEMM with a higher floor and a shallower slope. Rows per token count as a server logs them.
+    truth = lambda tok: 0.010 + 0.008 * tok if tok <= 8 else 0.060 + 0.0027 * tok  # noqa: E731
+    rows = []
+    for tok in [1] * 40 + [2] * 30 + list(range(3, 9)) * 10 + list(range(9, 40)) * 3 + [64, 128, 200, 300] * 4:
+        r = shape_row(100, 1, tok, 0.0)
+        r["step_s"] = truth(tok)
+        rows.append(r)
+    table = MeasuredStepCost.fit(rows)
+    assert table.mean_abs_rel_error < 0.01
+    for tok in (1, 4, 8, 12, 100, 250):
+        s = table.new_shape()
+        s.add(100, 1, tok)
+        assert table.step_time(s) == pytest.approx(truth(tok), rel=0.03)
+    s = table.new_shape()
+    s.add(100, 1, 600)                                # beyond the last knot: the last segment's slope
+    assert table.step_time(s) == pytest.approx(truth(600), rel=0.03)
+
+
+def test_step_table_knots_thin_out_to_a_line_on_sparse_rows():
+    assert choose_knots(np.array([1.0, 8, 32, 128, 512])) == [1.0, 512.0]
+    assert choose_knots(np.array([16.0] * 5)) == [16.0]
+    knots = choose_knots(np.array([1.0] * 10 + [2.0] * 10 + [100.0] * 10))
+    assert knots == [1.0, 2.0, 100.0]
+    # a table whose costs fall with the token count never extrapolates below zero
+    rows = [{"num_tokens": n, "num_seqs": 1, "attn_pairs": 0, "kv_tokens": 0, "step_s": 1.0 / n} for n in (1, 2, 4, 8) * 3]
+    table = MeasuredStepCost.fit(rows)
+    s = table.new_shape()
+    s.num_tokens, s.num_seqs = 1000, 1
+    assert table.step_time(s) > 0
 
 
 def test_step_table_rows_must_carry_the_features():
