@@ -12,7 +12,7 @@ with f piecewise linear between knots on the token count and every coefficient n
 token count is how many rows go through the linear layers, which is what switches a real engine's
 regime: memory-bound decode kernels for a few rows, a GEMM for many, fewer threads for small steps
 (tokenfab on CPU does all three), a CUDA graph per batch size. A single line through all of them
-misses both ends (on the 2-core VM it under-predicted a held-out run's P50 TPOT by 18-33 %). Knots sit
+misses both ends (on the 2-core VM it under-predicted a held-out run's P50 TPOT by 15-33 %). Knots sit
 on a grid (every count to 8, then ×1.5 steps) thinned until each segment holds at least
 `MIN_ROWS_PER_SEGMENT` rows, so sparse tables fall back to a line. Rows are weighted by 1/√step_s
 (relative error would let the many short decode steps pull the total low; absolute error ignores
@@ -22,6 +22,7 @@ A table file is YAML or JSON (a list of rows, or {rows: [...]}) or JSON lines.
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,7 +147,8 @@ class MeasuredStepCost:
             return max(0.0, v[0] - slope * (k[0] - n))
         if n >= k[-1]:
             return v[-1] + max(0.0, (v[-1] - v[-2]) / (k[-1] - k[-2])) * (n - k[-1])
-        return float(np.interp(n, k, v))
+        j = bisect_right(k, n) - 1                     # plain Python: the simulator calls this per step
+        return v[j] + (v[j + 1] - v[j]) * (n - k[j]) / (k[j + 1] - k[j])
 
     def step_time(self, shape: StepShape) -> float:
         c = self.coef

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# tokenfab serve against the anchors: llama.cpp's llama-server (the bundled Q4_1 GGUF) and, when it
+# is built, vLLM for CPU (a bf16 copy of the same weights, served as bf16 and as float32); same load generator (tokenfab bench
+# serve), one server after the other on this machine:
+#   1 stream      8 requests, 128-token prompts, 128 output tokens, one at a time
+#   32 streams   64 requests, same lengths, 32 in flight
+# Needs llama-server built first: ../shared/anchors/llama-server.sh build (about 6 minutes);
+# vLLM is measured only if ../shared/anchors/vllm-cpu.sh build has run (about 500 MB of downloads).
+#   bash benchmarks/vs_anchors.sh [OUT_DIR]
+set -euo pipefail
+OUT=${1:-/tmp/tokenfab-vs-anchors}
+ANCHORS=${ANCHORS:-$(dirname "$0")/../../shared/anchors}
+ANCHORS_DIR=${ANCHORS_DIR:-$HOME/.cache/tokenfab-anchors}
+mkdir -p "$OUT"
+PORT=8765
+
+wait_up() { for _ in $(seq 1200); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return; sleep 0.5; done; exit 1; }
+load() {  # NAME
+  for c in 1 32; do
+    n=$([ "$c" = 1 ] && echo 8 || echo 64)
+    tokenfab bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts "$n" --max-concurrency "$c" \
+      --input-len 128 --output-len 128 --no-progress --seed 3 --out "$OUT/$1-c$c.json" >/dev/null
+  done
+}
+
+bash "$ANCHORS/llama-server.sh" serve "$PORT" 32 >"$OUT/llama-server.log" 2>&1 & PID=$!
+wait_up; load llamacpp; kill $PID; wait $PID 2>/dev/null || true
+
+RUNS=(llamacpp); LABELS=llama.cpp
+if [ -x "$ANCHORS_DIR/vllm-venv/bin/python" ]; then
+  bash "$ANCHORS/vllm-cpu.sh" serve "$PORT" >"$OUT/vllm.log" 2>&1 & PID=$!
+  wait_up; load vllm; kill $PID; wait $PID 2>/dev/null || true
+  RUNS+=(vllm); LABELS+=,vLLM-bf16
+  # The anchor serves bf16, which this kind of CPU (no bf16 units) runs slowly; vLLM's float32 is its
+  # better setting here, so it is measured too, with the anchor's other flags.
+  VLLM_CPU_KVCACHE_SPACE=4 HF_HUB_OFFLINE=1 VLLM_USE_USAGE_STATS=0 DO_NOT_TRACK=1 \
+    "$ANCHORS_DIR/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$ANCHORS_DIR/smollm2-hf-bf16" \
+    --served-model-name smol --host 127.0.0.1 --port "$PORT" --max-model-len 4096 --dtype float32 \
+    >"$OUT/vllm-fp32.log" 2>&1 & PID=$!
+  wait_up; load vllm-fp32; kill $PID; wait $PID 2>/dev/null || true
+  RUNS+=(vllm-fp32); LABELS+=,vLLM-fp32
+fi
+
+tokenfab serve --port "$PORT" --no-access-log --log-level warning >"$OUT/tokenfab.log" 2>&1 & PID=$!
+wait_up; load tokenfab; kill $PID; wait $PID 2>/dev/null || true
+RUNS+=(tokenfab); LABELS+=,tokenfab
+
+for c in 1 32; do
+  echo "== $c stream(s): ${LABELS//,/ vs }"
+  tokenfab bench compare $(for r in "${RUNS[@]}"; do echo "$OUT/$r-c$c.json"; done) --labels "$LABELS"
+done
