@@ -148,3 +148,26 @@ def test_decode_kernel_keeps_the_bundled_model_at_float_precision(bundled_files,
     monkeypatch.setattr(QuantLinear, "forward", in_decode_sized_pieces)
     r = compare_logits(base, full_logits(native, window)[rows], targets)
     assert r.kl_mean < 1e-5 and r.same_top1_pct == 100.0, r
+
+
+def test_fused_decode_stack_gives_the_per_layer_path_logits_exactly(bundled_files):
+    # The default (quantized) bundled model: small decode steps go through one tf_decode_layers call.
+    from tokenfab import LLM, SamplingParams
+    llm = LLM(loaded=bundled_files, max_model_len=512, num_kv_blocks=256)
+    model = llm.engine.model
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = ["Tell me a story about a dragon.", "What is 2+2?", [5, 6, 7]]
+    runs = {}
+    for fused in (True, False):
+        model.fused_decode = fused
+        runs[fused] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+        if fused:
+            assert model._fused, "the fused path was not taken"
+    assert runs[True] == runs[False]
+    assert llm.engine.block_manager.num_used_blocks() == 0
+
+
+def test_fused_decode_stack_declines_layers_without_a_qgemm_layout(bundled_llm):
+    from tokenfab import SamplingParams
+    bundled_llm.generate(["Hi"], SamplingParams(max_tokens=2, temperature=0))      # float32 linears
+    assert bundled_llm.engine.model._fused == ()

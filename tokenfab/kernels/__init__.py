@@ -42,6 +42,7 @@ _SIGNATURES = {
     "tf_decode_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F],
     "tf_silu_mul": [_P, _P, _I, _I],
     "tf_qgemm": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
+    "tf_decode_layers": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _I, _P, _I, _F],
 }
 QGEMM_MAX_ROWS = 8      # TF_MAX_ROWS in cpu.c
 
@@ -171,3 +172,31 @@ def qgemm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     _lib.tf_qgemm(y.data_ptr(), x.data_ptr(), M, K, out_features, q.data_ptr(), d.data_ptr(),
                   None if m is None else m.data_ptr(), group_size, bits)
     return y
+
+
+class QLinear(ctypes.Structure):
+    """tf_qlin in cpu.c: one quantized linear's tf_qgemm layout."""
+    _fields_ = [("q", _P), ("d", _P), ("m", _P), ("gs", _I), ("bits", _I), ("n_out", _I)]
+
+    @classmethod
+    def of(cls, layout: tuple, n_out: int) -> "QLinear":
+        q, d, m, gs, bits = layout
+        return cls(q.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), gs, bits, n_out)
+
+
+class Layer(ctypes.Structure):
+    """tf_layer in cpu.c: a decoder layer's norm weights, linears and KV pools."""
+    _fields_ = [("ln1", _P), ("ln2", _P), ("qkv", QLinear), ("o", QLinear), ("gate_up", QLinear),
+                ("down", QLinear), ("k_cache", _P), ("v_cache", _P)]
+
+
+def decode_layers(x: torch.Tensor, layers, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                  intermediate: int, eps: float, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                  slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                  scale: float) -> None:
+    """The whole decoder stack for a decode step of at most QGEMM_MAX_ROWS tokens, x [M, hidden] updated
+    in place (tf_decode_layers); `layers` is a ctypes array of Layer."""
+    _lib.tf_decode_layers(x.data_ptr(), x.shape[0], hidden, len(layers), layers, num_heads, num_kv_heads, head_dim,
+                          intermediate, eps, positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
+                          slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
+                          block_size, scale)

@@ -401,3 +401,54 @@ void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
     free(dx);
     free(xs);
 }
+
+/* A whole decode step of the decoder stack, for M <= 8 tokens (one per sequence) and layers whose
+ * linears all have a tf_qgemm layout: per layer
+ *   h = norm(x); qkv = h Wqkv; RoPE + KV write; a = attention; x += a Wo;
+ *   h = norm(x); x += silu_mul(h Wgate_up) Wdown
+ * with the kernels above, in one call instead of ~10 Python calls per layer. x [M, hidden] is the
+ * residual stream, updated in place. The arithmetic is the Python path's, call for call. */
+typedef struct {
+    const void *q;
+    const float *d, *m;
+    int64_t gs, bits, n_out;
+} tf_qlin;
+
+typedef struct {
+    const float *ln1, *ln2;
+    tf_qlin qkv, o, gate_up, down;
+    float *k_cache, *v_cache;
+} tf_layer;
+
+void tf_decode_layers(float *x, int64_t M, int64_t hidden, int64_t n_layers, const tf_layer *layers,
+                      int64_t H, int64_t KVH, int64_t D, int64_t inter, float eps,
+                      const int64_t *positions, const float *cos_t, const float *sin_t, const int64_t *slots,
+                      const int64_t *block_tables, int64_t bt_stride, const int64_t *ctx_lens, int64_t bs,
+                      float scale) {
+    const int64_t qkv_n = (H + 2 * KVH) * D;
+    const int64_t widest = qkv_n > 2 * inter ? qkv_n : 2 * inter;
+    float *h = (float *)malloc(sizeof(float) * (size_t)(M * hidden));
+    float *wide = (float *)malloc(sizeof(float) * (size_t)(M * widest));
+    float *mid = (float *)malloc(sizeof(float) * (size_t)(M * (H * D > inter ? H * D : inter)));
+    float *y = (float *)malloc(sizeof(float) * (size_t)(M * hidden));
+    for (int64_t l = 0; l < n_layers; l++) {
+        const tf_layer *L = layers + l;
+        tf_rms_norm(h, x, L->ln1, M, hidden, eps);
+        tf_qgemm(wide, h, M, hidden, qkv_n, L->qkv.q, L->qkv.d, L->qkv.m, L->qkv.gs, L->qkv.bits);
+        tf_rope_write_kv(wide, M, qkv_n, H, KVH, D, positions, cos_t, sin_t, L->k_cache, L->v_cache, slots);
+        tf_decode_attention(mid, wide, qkv_n, L->k_cache, L->v_cache, block_tables, bt_stride, ctx_lens, M, H, KVH,
+                            D, bs, scale);
+        tf_qgemm(y, mid, M, H * D, hidden, L->o.q, L->o.d, L->o.m, L->o.gs, L->o.bits);
+        for (int64_t i = 0; i < M * hidden; i++) x[i] += y[i];
+        tf_rms_norm(h, x, L->ln2, M, hidden, eps);
+        tf_qgemm(wide, h, M, hidden, 2 * inter, L->gate_up.q, L->gate_up.d, L->gate_up.m, L->gate_up.gs,
+                 L->gate_up.bits);
+        tf_silu_mul(mid, wide, M, inter);
+        tf_qgemm(y, mid, M, inter, hidden, L->down.q, L->down.d, L->down.m, L->down.gs, L->down.bits);
+        for (int64_t i = 0; i < M * hidden; i++) x[i] += y[i];
+    }
+    free(h);
+    free(wide);
+    free(mid);
+    free(y);
+}

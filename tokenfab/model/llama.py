@@ -100,17 +100,68 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
         self.requires_grad_(False)
+        self.fused_decode = True           # one C call for the whole stack on small decode steps, where it can
+        self._fused: tuple | None = None   # (KV pools' address, ctypes layers) once built; () if it can't
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """Returns float32 logits for the tokens at `logits_indices` only (one per sampled sequence)."""
         x = self.embed_tokens(input_ids)
-        tables = self.rope.tables(positions, x.dtype)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, self.rope, tables, kv, meta)
+        layers = self._fused_layers(x, kv_caches, meta)
+        if layers is not None:
+            cfg, attn = self.config, self.layers[0].self_attn.attn
+            x = x.contiguous()
+            kernels.decode_layers(x, layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                  cfg.intermediate_size, self.norm.eps, meta.positions, self.rope.cos,
+                                  self.rope.sin_signed, meta.slot_mapping, meta.decode_block_tables,
+                                  meta.decode_context_lens, attn.block_size, attn.scale)
+        else:
+            tables = self.rope.tables(positions, x.dtype)
+            for layer, kv in zip(self.layers, kv_caches):
+                x = layer(x, self.rope, tables, kv, meta)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
+
+    def _fused_layers(self, x: torch.Tensor, kv_caches, meta: AttentionMetadata):
+        """The ctypes layer table for kernels.decode_layers when this step can take that path: CPU
+        float32, decodes only, at most QGEMM_MAX_ROWS of them, and every layer a plain pre-norm block
+        whose four linears have tf_qgemm layouts (no bias, no q/k norm, no input scale); else None.
+        The same kernels the per-layer path calls, in the same order: the same logits."""
+        if (not self.fused_decode or meta.prefills or meta.positions is None or self._fused == ()
+                or x.shape[0] > kernels.QGEMM_MAX_ROWS or not kernels.usable(x)):
+            return None
+        key = kv_caches[0][0].data_ptr() if isinstance(kv_caches[0][0], torch.Tensor) else None
+        if self._fused is None or self._fused[0] != key:
+            self._fused = self._build_fused(kv_caches) or ()
+        return self._fused[1] if self._fused else None
+
+    def _build_fused(self, kv_caches) -> tuple | None:
+        cfg = self.config
+        if cfg.qk_norm or cfg.qkv_bias or cfg.head_dim > kernels.MAX_HEAD_DIM or cfg.head_dim % 2:
+            return None
+        table = (kernels.Layer * len(self.layers))()
+        keep = []                          # the layouts' tensors: the table holds their addresses
+        for entry, layer, (k_cache, v_cache) in zip(table, self.layers, kv_caches):
+            if not (isinstance(k_cache, torch.Tensor) and kernels.usable(k_cache, v_cache)):
+                return None
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(n.eps != self.norm.eps or not kernels.usable(n.weight) for n in norms):
+                return None
+            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            layouts = []
+            for lin in linears:
+                layout = lin.qgemm_layout() if hasattr(lin, "qgemm_layout") else None
+                if (layout is None or lin.kernel not in ("auto", "cpu") or lin.bias is not None
+                        or getattr(lin, "input_scale", None) is not None
+                        or layout[0].shape[1] * (2 if layout[4] == 4 else 1) != lin.in_features):
+                    return None
+                layouts.append(kernels.QLinear.of(layout, lin.out_features))
+                keep.append(layout)
+            entry.ln1, entry.ln2 = norms[0].weight.data_ptr(), norms[1].weight.data_ptr()
+            entry.qkv, entry.o, entry.gate_up, entry.down = layouts
+            entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        return kv_caches[0][0].data_ptr(), table, keep
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up. Missing or misshapen tensors are errors."""

@@ -74,12 +74,14 @@ class QuantLinear(nn.Module):
         """(q, d, m, group_size, bits) for kernels.qgemm, or None."""
         return None
 
-    def _cpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
-        if x.shape[0] > cpu_kernels.QGEMM_MAX_ROWS or not cpu_kernels.usable(x) or not self.in_features % 32 == 0:
-            return None
+    def qgemm_layout(self) -> tuple | None:
+        """cpu_layout(), built once; None when this layer has none or its input is not in 32-blocks."""
         if self._cpu is None:
-            self._cpu = self.cpu_layout() or ()
-        if not self._cpu:
+            self._cpu = (self.cpu_layout() if self.in_features % 32 == 0 else None) or ()
+        return self._cpu or None
+
+    def _cpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        if x.shape[0] > cpu_kernels.QGEMM_MAX_ROWS or not cpu_kernels.usable(x) or self.qgemm_layout() is None:
             return None
         q, d, m, gs, bits = self._cpu
         if x.shape[1] != q.shape[1] * (2 if bits == 4 else 1):          # int4 rows padded to whole groups
