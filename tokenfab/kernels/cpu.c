@@ -249,7 +249,8 @@ void tf_silu_mul(float *out, const float *gate_up, int64_t T, int64_t I) {
     }
 }
 
-/* Quantized weights times activations for a few rows (decode): y[M, N] = x[M, K] @ W^T, M <= 8.
+/* Quantized weights times activations for a few rows (decode): y[M, N] = x[M, K] @ W^T, 8 rows per
+ * pass over W.
  * Each activation row is quantized to int16 in blocks of 32 (one float scale per block: max|x| /
  * 32767, a relative error near 2^-16, finer than bfloat16), so a block's dot product is an integer
  * one (AVX2 madd_epi16 on weights widened to 16 bits); W is read in its quantized form once for all M
@@ -343,6 +344,11 @@ static inline float tf_dot_f32(const float *a, const float *b, int64_t n) {
 
 void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const float *d,
               const float *m, int64_t gs, int64_t bits) {
+    if (M > TF_MAX_ROWS) {   /* the register tile holds 8 rows: more rows, more passes over W */
+        for (int64_t r0 = 0; r0 < M; r0 += TF_MAX_ROWS)
+            tf_qgemm(y + r0 * N, x + r0 * K, M - r0 < TF_MAX_ROWS ? M - r0 : TF_MAX_ROWS, K, N, q, d, m, gs, bits);
+        return;
+    }
     const int64_t G = K / gs, nb = K / 32, bpg = gs / 32;
     const int64_t row_bytes = bits == 4 ? K / 2 : K;
     int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
@@ -402,7 +408,7 @@ void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
     free(xs);
 }
 
-/* A whole decode step of the decoder stack, for M <= 8 tokens (one per sequence) and layers whose
+/* A whole decode step of the decoder stack, for a few tokens (one per sequence) and layers whose
  * linears all have a tf_qgemm layout: per layer
  *   h = norm(x); qkv = h Wqkv; RoPE + KV write; a = attention; x += a Wo;
  *   h = norm(x); x += silu_mul(h Wgate_up) Wdown

@@ -3,7 +3,7 @@
 Four paths compute the same thing:
 - **cpu**: tokenfab's C kernel (tokenfab/kernels/cpu.c, `tf_qgemm`): reads int4 / int8 / Q8_0 blocks
   directly, activations as int16 per block of 32 (relative error ~2^-16: KL 3e-7 against float on the
-  bundled model, where bf16 activations give 1e-3), for up to 8 rows: decode steps of small batches.
+  bundled model, where bf16 activations give 1e-3), for up to QGEMM_MAX_ROWS (16) rows: decode steps of small batches.
 - **float cache**: a dequantized float32 copy of the weight in oneDNN's layout, kept when the engine's
   memory budget allows (`QuantLinear.float_cache`): the fastest path for big batches and prefill.
 - **packed**: torch's CPU weight-only kernels, `_weight_int8pack_mm` (int8, one scale per output
