@@ -178,12 +178,12 @@ def qgemm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
 
 class QLinear(ctypes.Structure):
     """tf_qlin in cpu.c: one quantized linear's tf_qgemm layout."""
-    _fields_ = [("q", _P), ("d", _P), ("m", _P), ("gs", _I), ("bits", _I), ("n_out", _I)]
+    _fields_ = [("q", _P), ("d", _P), ("m", _P), ("gs", _I), ("bits", _I)]
 
     @classmethod
-    def of(cls, layout: tuple, n_out: int) -> "QLinear":
+    def of(cls, layout: tuple) -> "QLinear":
         q, d, m, gs, bits = layout
-        return cls(q.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), gs, bits, n_out)
+        return cls(q.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), gs, bits)
 
 
 class Layer(ctypes.Structure):

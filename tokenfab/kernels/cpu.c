@@ -417,7 +417,7 @@ void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
 typedef struct {
     const void *q;
     const float *d, *m;
-    int64_t gs, bits, n_out;
+    int64_t gs, bits;
 } tf_qlin;
 
 typedef struct {

@@ -156,7 +156,7 @@ class LlamaModel(nn.Module):
                         or getattr(lin, "input_scale", None) is not None
                         or layout[0].shape[1] * (2 if layout[4] == 4 else 1) != lin.in_features):
                     return None
-                layouts.append(kernels.QLinear.of(layout, lin.out_features))
+                layouts.append(kernels.QLinear.of(layout))
                 keep.append(layout)
             entry.ln1, entry.ln2 = norms[0].weight.data_ptr(), norms[1].weight.data_ptr()
             entry.qkv, entry.o, entry.gate_up, entry.down = layouts
