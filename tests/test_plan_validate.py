@@ -1,14 +1,17 @@
 """The simulator against measured runs: the server's step log, and `plan validate` on a bench result."""
 import json
 
+import numpy as np
 import pytest
 
 from tests.oracle import make_tiny_model
 from tokenfab import LLM, SamplingParams
 from tokenfab.cli import main
 from tokenfab.plan.simulate import SchedulerConfig
-from tokenfab.plan.step_table import MeasuredStepCost, StepLog, read_rows
+from tokenfab.plan.simulate import simulate
+from tokenfab.plan.step_table import MeasuredStepCost, NoisyStepCost, StepLog, read_rows, shape_row
 from tokenfab.plan.validate import load_bench_run, validate
+from tokenfab.plan.workload import make_requests, parse_length
 
 
 def test_step_log_counts_the_loop_between_busy_steps_and_reads_back(tmp_path):
@@ -85,3 +88,86 @@ def test_validate_cli_prints_json_and_refuses_a_file_without_request_records(tmp
 def test_serve_refuses_an_unwritable_step_log_before_loading_the_model(tmp_path, capsys):
     assert main(["serve", "--port", "0", "--step-log", str(tmp_path / "missing" / "steps.jsonl")]) == 2
     assert "--step-log" in capsys.readouterr().err
+
+
+def _scattered_rows(n=400, slow_every=100, seed=0):
+    """A step log of an engine whose costs scatter ±20 % around 10 ms + 1 ms/token, with a 1.5x slow
+    stretch of 20 steps every `slow_every` (the machine busy elsewhere), each row carrying its start."""
+    rng = np.random.default_rng(seed)
+    rows, t = [], 0.0
+    for i in range(n):
+        tok = int(rng.choice([1, 4, 8, 128]))
+        step = (0.010 + 0.001 * tok) * rng.uniform(0.8, 1.2) * (1.5 if i % slow_every < 20 else 1.0)
+        rows.append({**shape_row(50, 1, tok, step), "t": t})
+        t += step
+    return rows
+
+
+def test_step_table_keeps_its_scatter_and_noisy_costs_reproduce_it():
+    table = MeasuredStepCost.fit(_scattered_rows())
+    assert len(table.noise) == 64 and np.mean(table.noise) == pytest.approx(1.0)
+    assert table.noise[6] < 0.9 and table.noise[-7] > 1.1          # P10 / P90 of the ratios
+    assert table.noise_corr > 0.5                                    # the slow stretches
+    untimed = MeasuredStepCost.fit([{k: v for k, v in r.items() if k != "t"} for r in _scattered_rows()])
+    assert untimed.noise_corr == 0.0 and untimed.noise
+    assert not MeasuredStepCost.fit(_scattered_rows(n=20)).noise     # too few rows for quantiles
+
+    noisy = NoisyStepCost(table, seed=3)
+    s = table.new_shape()
+    s.add(50, 1, 8)
+    draws = np.array([noisy.step_time(s) for _ in range(4000)]) / table.step_time(s)
+    assert draws.mean() == pytest.approx(1.0, abs=0.03)
+    assert np.percentile(draws, 10) == pytest.approx(table.noise[6], abs=0.05)
+    lr = np.log(draws) - np.log(draws).mean()
+    assert float(lr[1:] @ lr[:-1] / (lr @ lr)) == pytest.approx(table.noise_corr, abs=0.1)
+    noisy.reset()
+    assert [noisy.step_time(s) for _ in range(3)] == pytest.approx(list(draws[:3] * table.step_time(s)))
+
+
+def test_step_scatter_raises_the_tail_not_the_throughput_and_runs_reproduce():
+    table = MeasuredStepCost.fit(_scattered_rows())
+    reqs = make_requests(8.0, 300, parse_length("64"), parse_length("16"), seed=2)
+    plain = simulate(table, reqs, SchedulerConfig()).summary()
+    noisy = NoisyStepCost(table, seed=1)
+    first, again = (simulate(noisy, reqs, SchedulerConfig()).summary() for _ in range(2))
+    assert first == again                                            # every run starts the noise afresh
+    assert first["ttft"]["p99"] > plain["ttft"]["p99"] * 1.05
+    assert first["output_tok_s"] == pytest.approx(plain["output_tok_s"], rel=0.05)
+
+
+def test_validate_replays_with_the_scatter_and_reports_the_spread(tmp_path, capsys):
+    table = tmp_path / "steps.jsonl"
+    table.write_text("".join(json.dumps(r) + "\n" for r in _scattered_rows()))
+    reqs = make_requests(8.0, 120, parse_length("64"), parse_length("16"), seed=5)
+    bench = _bench_file(tmp_path / "b.json", [_req(r.id, 100.0 + r.arrival, r.prompt_len, r.output_len, 300.0, 40.0,
+                                                  100.0 + r.arrival + 1.0) for r in reqs])
+    cost = MeasuredStepCost.from_file(table)
+    v = validate(bench, cost, SchedulerConfig(), replicates=8, seed=4)
+    assert v.replicates == 8
+    for key, (lo, hi) in v.band.items():
+        assert lo <= v.predicted[key] <= hi and lo < hi
+    one = validate(bench, cost, SchedulerConfig(), replicates=1)
+    assert one.replicates == 1 and not one.band
+    assert one.predicted == validate(bench, cost, SchedulerConfig()).predicted
+    argv = ["plan", "validate", "--step-table", str(table), "--bench", str(bench), "--json"]
+    assert main(argv + ["--replicates", "5"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["replicates"] == 5 and res["cost_model"]["noise"]["lag1_corr"] > 0.5
+    assert main(argv + ["--no-step-noise"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["replicates"] == 1 and "noise" not in res["cost_model"] and not res["predicted_p10_p90"]
+    assert main(argv + ["--replicates", "0"]) == 2
+    assert "--replicates" in capsys.readouterr().err
+
+
+def test_capacity_with_a_step_log_uses_its_scatter_unless_told_not_to(tmp_path, capsys):
+    table = tmp_path / "steps.jsonl"
+    table.write_text("".join(json.dumps(r) + "\n" for r in _scattered_rows()))
+    argv = ["plan", "capacity", "smollm2-135m", "--hardware", "rtx-4090", "--rate", "20", "--prompt-len", "64",
+            "--output-len", "16", "--slo", "ttft_p99:2000", "--num-requests", "200", "--step-table", str(table), "--json"]
+    assert main(argv) == 0
+    noisy = json.loads(capsys.readouterr().out)
+    assert noisy["cost_model"]["noise"]["ratio_p90"] > 1.1 and noisy["replicas"] >= 1
+    assert main(argv + ["--no-step-noise"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert "noise" not in plain["cost_model"] and plain["replicas"] >= 1

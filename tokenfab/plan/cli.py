@@ -107,6 +107,8 @@ def add_parser(subparsers) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--step-table", metavar="FILE", help="measured step times (from calibrate --save-table) "
                                                         "to use instead of the roofline")
+    s.add_argument("--no-step-noise", action="store_true",
+                   help="cost every step at the table's fit, without its measured scatter")
     s.set_defaults(func=_handler("capacity"))
 
     s = subs.add_parser("validate", parents=[o], help="the simulator's error against a measured bench run")
@@ -118,6 +120,11 @@ def add_parser(subparsers) -> None:
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the server's setting (default 2048)")
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--num-kv-blocks", type=int, help="the server's KV pool in blocks (default: unlimited)")
+    s.add_argument("--replicates", type=int, default=100,
+                   help="replays with the table's measured step scatter, different seeds (default 100)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--no-step-noise", action="store_true",
+                   help="one replay at the table's fitted step costs, without their scatter")
     s.set_defaults(func=_handler("validate"))
 
     s = subs.add_parser("probe", parents=[o], help="measure this machine's bandwidth and matmul peak")

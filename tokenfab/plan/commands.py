@@ -176,7 +176,7 @@ def run_compare(args) -> dict:
 
 def run_capacity(args) -> dict:
     from tokenfab.plan.capacity import Traffic, plan_capacity
-    from tokenfab.plan.step_table import MeasuredStepCost
+    from tokenfab.plan.step_table import MeasuredStepCost, NoisyStepCost
     from tokenfab.plan.workload import SLO, parse_length
 
     hw = get_hardware(args.hardware, catalog(args))
@@ -195,6 +195,10 @@ def run_capacity(args) -> dict:
         m = dep.model
         cost = MeasuredStepCost.from_file(args.step_table, m.sliding_window, m.global_layer_fraction)
         cost_model = {"kind": "measured step table", "file": args.step_table, **cost.as_dict()}
+        if cost.noise and not args.no_step_noise:
+            cost = NoisyStepCost(cost, args.seed)
+        else:
+            cost_model.pop("noise", None)
     else:
         cost = RooflineCost(dep)
         cost_model = {"kind": "roofline", **_eff_dict(dep.eff)}
@@ -360,7 +364,11 @@ def run_validate(args) -> dict:
     cost = MeasuredStepCost.from_file(args.step_table)
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              block_size=args.block_size, num_kv_blocks=args.num_kv_blocks)
-    v = validate(args.bench, cost, config, args.run)
-    return {"command": "validate", **v.as_dict(),
-            "cost_model": {"kind": "measured step table", "file": args.step_table, **cost.as_dict()},
+    if args.replicates < 1:
+        raise ValueError("--replicates must be at least 1")
+    v = validate(args.bench, cost, config, args.run, 1 if args.no_step_noise else args.replicates, args.seed)
+    cost_model = {"kind": "measured step table", "file": args.step_table, **cost.as_dict()}
+    if v.replicates == 1:
+        cost_model.pop("noise", None)
+    return {"command": "validate", **v.as_dict(), "cost_model": cost_model,
             "scheduler": {k: getattr(config, k) for k in config.__dataclass_fields__}}

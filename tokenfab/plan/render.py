@@ -212,10 +212,16 @@ def validate(r: dict) -> None:
     cm = r["cost_model"]
     con.print(f"[bold]{r['bench']}[/] run {r['run']}: {r['requests']} requests replayed through the simulator "
               f"with the step table {cm['file']} ({cm['rows']} rows, fit error {cm['mean_abs_rel_error']:.0%})")
+    if n := cm.get("noise"):
+        con.print(f"{r['replicates']} replays with the table's step scatter (measured/fitted P10-P90 "
+                  f"{n['ratio_p10']:.2f}-{n['ratio_p90']:.2f}, lag-1 correlation {n['lag1_corr']:.2f}); "
+                  "predicted = their mean")
+    band = r.get("predicted_p10_p90") or {}
     t = Table()
-    for col in ("metric", "measured", "predicted", "error"):
+    for col in ("metric", "measured", "predicted", *(("replays P10-P90",) if band else ()), "error"):
         t.add_column(col, justify="left" if col == "metric" else "right")
     for key, label in METRICS:
         err = r["relative_error"][key]
-        t.add_row(label, _num(r["measured"][key]), _num(r["predicted"][key]), f"{err:+.1%}")
+        extra = (f"{_num(band[key][0])}-{_num(band[key][1])}",) if band else ()
+        t.add_row(label, _num(r["measured"][key]), _num(r["predicted"][key]), *extra, f"{err:+.1%}")
     con.print(t)

@@ -292,6 +292,8 @@ class Simulator:
         self.running: list[_Seq] = []
         self.num_preemptions = 0
         self.now = 0.0
+        if reset := getattr(self.cost, "reset", None):
+            reset()                        # a stateful (noisy) cost starts its sequence afresh
         # Sliding-window attention makes a step's cost depend on each context, not only on their sum.
         self._windowed = bool(getattr(self.cost.new_shape(), "window", None))
         if cfg.num_kv_blocks is not None and requests:

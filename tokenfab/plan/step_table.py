@@ -17,11 +17,19 @@ on a grid (every count to 8, then ×1.5 steps) thinned until each segment holds 
 `MIN_ROWS_PER_SEGMENT` rows, so sparse tables fall back to a line. Rows are weighted by 1/√step_s
 (relative error would let the many short decode steps pull the total low; absolute error ignores
 them), then the fit is scaled so its total over the rows equals the measured total.
+
+Step times also scatter around the fit (the 2-core VM: ratios 0.8-1.2 at P10-P90, runs of slow steps
+when the machine is busy elsewhere), and a mean-cost replay under-predicts tail latencies: a P99 TTFT
+lands on the slow stretches. So the fit keeps the measured/predicted ratios' quantiles (mean 1) and,
+for a step log (rows carry their start time `t`, in order), their lag-1 correlation; `NoisyStepCost`
+multiplies each simulated step by a ratio drawn from them, correlated step to step the same way.
 A table file is YAML or JSON (a list of rows, or {rows: [...]}) or JSON lines.
 """
 from __future__ import annotations
 
 import json
+import math
+import random
 from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +43,8 @@ FEATURES = ("num_tokens", "num_seqs", "attn_pairs", "kv_tokens")
 LINEAR_FEATURES = FEATURES[1:]          # num_tokens enters through the piecewise-linear f
 MIN_ROWS_PER_SEGMENT = 8
 RIDGE = 1e-8
+NOISE_QUANTILES = 64        # ratio quantiles kept for NoisyStepCost
+MIN_NOISE_ROWS = 32         # fewer rows: no noise model (the quantiles would be the rows themselves)
 
 
 def nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -96,6 +106,8 @@ class MeasuredStepCost:
     global_frac: float = 1.0
     rows: int = 0
     mean_abs_rel_error: float = 0.0
+    noise: tuple[float, ...] = ()        # quantiles of measured/predicted at (i + 0.5) / n, mean 1
+    noise_corr: float = 0.0              # lag-1 autocorrelation of their logs, in time order
 
     @classmethod
     def fit(cls, rows: list[dict], window: int | None = None, global_frac: float = 1.0) -> "MeasuredStepCost":
@@ -125,10 +137,12 @@ class MeasuredStepCost:
         total = float((x @ sol).sum())
         if total > 0:
             sol *= float(y.sum()) / total
-        err = float(np.mean(np.abs(x @ sol - y) / y))
+        pred = x @ sol
+        err = float(np.mean(np.abs(pred - y) / y))
+        noise, corr = _noise(y, pred, all("t" in r for r in rows))
         return cls(knots=tuple(knots), values=tuple(map(float, sol[:nk])),
                    coef=dict(zip(LINEAR_FEATURES, map(float, sol[nk:]))), window=window,
-                   global_frac=global_frac, rows=len(rows), mean_abs_rel_error=err)
+                   global_frac=global_frac, rows=len(rows), mean_abs_rel_error=err, noise=noise, noise_corr=corr)
 
     @classmethod
     def from_file(cls, path: str | Path, window: int | None = None, global_frac: float = 1.0) -> "MeasuredStepCost":
@@ -156,8 +170,62 @@ class MeasuredStepCost:
                 + c["attn_pairs"] * shape.attn_pairs + c["kv_tokens"] * shape.kv_tokens)
 
     def as_dict(self) -> dict:
-        return {"tokens_cost_s": {f"{k:g}": v for k, v in zip(self.knots, self.values)}, "coef": self.coef,
-                "rows": self.rows, "mean_abs_rel_error": self.mean_abs_rel_error}
+        out = {"tokens_cost_s": {f"{k:g}": v for k, v in zip(self.knots, self.values)}, "coef": self.coef,
+               "rows": self.rows, "mean_abs_rel_error": self.mean_abs_rel_error}
+        if self.noise:
+            n = self.noise
+            out["noise"] = {"ratio_p10": n[len(n) // 10], "ratio_p50": n[len(n) // 2],
+                            "ratio_p90": n[len(n) - 1 - len(n) // 10], "lag1_corr": self.noise_corr}
+        return out
+
+
+def _noise(y: np.ndarray, pred: np.ndarray, timed: bool) -> tuple[tuple[float, ...], float]:
+    """The ratios measured/predicted as NOISE_QUANTILES quantiles scaled to mean 1 (so the noise keeps
+    the fitted total), and their logs' lag-1 autocorrelation when the rows are a time series."""
+    ok = pred > 0
+    if ok.sum() < MIN_NOISE_ROWS:
+        return (), 0.0
+    ratio = y[ok] / pred[ok]
+    q = np.quantile(ratio, (np.arange(NOISE_QUANTILES) + 0.5) / NOISE_QUANTILES)
+    q /= q.mean()
+    corr = 0.0
+    if timed:
+        lr = np.log(ratio) - np.log(ratio).mean()
+        den = float(lr @ lr)
+        corr = min(max(float(lr[1:] @ lr[:-1]) / den, 0.0), 0.99) if den > 0 else 0.0
+    return tuple(map(float, q)), corr
+
+
+class NoisyStepCost:
+    """A measured step cost whose every step is multiplied by a ratio drawn from the fit's measured
+    scatter: a Gaussian AR(1) with the measured lag-1 correlation, mapped through the ratio quantiles.
+    Seeded; every `Simulator.run` starts the sequence afresh (`reset`), so a run is reproducible."""
+
+    def __init__(self, base: MeasuredStepCost, seed: int = 0):
+        if not base.noise:
+            raise ValueError("this step table has too few rows for a noise model")
+        self.base, self.seed = base, seed
+        self._q, self._rho = base.noise, base.noise_corr
+        self._innov = math.sqrt(1 - self._rho ** 2)
+        self.reset()
+
+    def reset(self) -> None:
+        self._rng = random.Random(self.seed)
+        self._z = self._rng.gauss(0.0, 1.0)
+
+    def new_shape(self) -> StepShape:
+        return self.base.new_shape()
+
+    def ratio(self) -> float:
+        self._z = self._rho * self._z + self._innov * self._rng.gauss(0.0, 1.0)
+        u = 0.5 * (1.0 + math.erf(self._z / math.sqrt(2.0)))           # N(0,1) → uniform
+        q = self._q
+        x = min(max(u * len(q) - 0.5, 0.0), len(q) - 1.0)               # quantile i sits at (i + 0.5) / n
+        i = min(int(x), len(q) - 2)
+        return q[i] + (q[i + 1] - q[i]) * (x - i)
+
+    def step_time(self, shape: StepShape) -> float:
+        return self.base.step_time(shape) * self.ratio()
 
 
 def read_rows(path: str | Path) -> list[dict]:

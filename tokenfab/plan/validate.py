@@ -6,6 +6,11 @@ model, and the simulated P50 TPOT, P99 TTFT and output throughput are set beside
 
     error = (predicted - measured) / measured
 
+With a step table's measured scatter (`step_table.NoisyStepCost`) the replay runs `replicates` times
+with different seeds: the prediction is the mean of each replicate's metrics (what one measured run
+is expected to show) and the P10-P90 of them is printed beside it: a P99 over 150 requests is about
+their second-largest value and moves a lot from run to run, measured or simulated.
+
 The step costs should come from steps measured on a different run than the one checked (for
 instance `tokenfab serve --step-log steps.jsonl` during another rate, or `plan calibrate
 --save-table`), or the check grades the fit on its own training data.
@@ -13,10 +18,11 @@ instance `tokenfab serve --step-log steps.jsonl` during another rate, or `plan c
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenfab.plan.simulate import SchedulerConfig, percentile, simulate
+from tokenfab.plan.step_table import MeasuredStepCost, NoisyStepCost
 from tokenfab.plan.workload import Request
 
 METRICS = (("tpot_p50_ms", "P50 TPOT (ms)"), ("ttft_p99_ms", "P99 TTFT (ms)"),
@@ -30,6 +36,8 @@ class Validation:
     requests: int
     measured: dict[str, float]
     predicted: dict[str, float]
+    replicates: int = 1
+    band: dict[str, tuple[float, float]] = field(default_factory=dict)   # P10, P90 over the replicates
 
     @property
     def errors(self) -> dict[str, float]:
@@ -37,7 +45,8 @@ class Validation:
 
     def as_dict(self) -> dict:
         return {"bench": self.bench, "run": self.run, "requests": self.requests, "measured": self.measured,
-                "predicted": self.predicted, "relative_error": self.errors}
+                "predicted": self.predicted, "relative_error": self.errors, "replicates": self.replicates,
+                "predicted_p10_p90": self.band}
 
 
 def _metrics(ttft_s: list[float], tpot_s: list[float], output_tokens: int, span_s: float) -> dict[str, float]:
@@ -71,11 +80,19 @@ def load_bench_run(path: str | Path, run: int = 0) -> tuple[list[Request], dict[
     return reqs, measured
 
 
-def validate(bench: str | Path, cost, config: SchedulerConfig, run: int = 0) -> Validation:
-    """Replay the bench run's arrivals through the simulator with `cost` (a StepCost)."""
+def validate(bench: str | Path, cost, config: SchedulerConfig, run: int = 0, replicates: int = 1,
+             seed: int = 0) -> Validation:
+    """Replay the bench run's arrivals through the simulator with `cost` (a StepCost); with
+    `replicates` > 1 and a measured table that has a noise model, once per seed with its scatter."""
     reqs, measured = load_bench_run(bench, run)
-    res = simulate(cost, reqs, config)
-    done = res.requests
-    predicted = _metrics([r.ttft_s for r in done], [r.tpot_s for r in done if r.tpot_s is not None],
-                         sum(r.output_len for r in done), max(r.arrival + r.e2e_s for r in done))
-    return Validation(str(bench), run, len(reqs), measured, predicted)
+    noisy = replicates > 1 and isinstance(cost, MeasuredStepCost) and bool(cost.noise)
+    costs = [NoisyStepCost(cost, seed + i) for i in range(replicates)] if noisy else [cost]
+    runs = []
+    for c in costs:
+        done = simulate(c, reqs, config).requests
+        runs.append(_metrics([r.ttft_s for r in done], [r.tpot_s for r in done if r.tpot_s is not None],
+                             sum(r.output_len for r in done), max(r.arrival + r.e2e_s for r in done)))
+    predicted = {k: sum(r[k] for r in runs) / len(runs) for k in measured}
+    band = {k: (percentile([r[k] for r in runs], 10), percentile([r[k] for r in runs], 90))
+            for k in measured} if len(runs) > 1 else {}
+    return Validation(str(bench), run, len(reqs), measured, predicted, len(runs), band)
