@@ -171,3 +171,31 @@ def test_fused_decode_stack_declines_layers_without_a_qgemm_layout(bundled_llm):
     from tokenfab import SamplingParams
     bundled_llm.generate(["Hi"], SamplingParams(max_tokens=2, temperature=0))      # float32 linears
     assert bundled_llm.engine.model._fused == ()
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread runs no OpenMP pool")
+def test_release_thread_pool_frees_the_calling_threads_openmp_workers():
+    import os
+
+    x, w = torch.randn(16, 64), torch.ones(64)
+    kernels.rms_norm(x, w, 1e-5)                 # 16 rows: a parallel region, so this thread has a pool
+    before = len(os.listdir("/proc/self/task"))
+    assert kernels.release_thread_pool()
+    assert len(os.listdir("/proc/self/task")) == before - (torch.get_num_threads() - 1)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (64,), w, 1e-5))   # a new pool
+
+
+def test_async_engine_releases_the_loader_threads_pool_before_stepping(monkeypatch, bundled_llm):
+    import asyncio
+
+    from tokenfab.engine.async_engine import AsyncEngine
+    calls = []
+    monkeypatch.setattr(kernels, "release_thread_pool", lambda: calls.append(1) or True)
+    eng = AsyncEngine(bundled_llm.engine)
+
+    async def main():
+        eng.start()
+        await eng.stop()
+
+    asyncio.run(main())
+    assert calls == [1]

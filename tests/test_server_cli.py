@@ -120,14 +120,9 @@ def test_a_command_may_redefine_an_engine_flag_after_adding_them():
     assert engine_config_from_args(args).seed == EngineConfig().seed
 
 
-def test_small_batch_threads_flag_defaults_to_leaving_a_core_on_small_machines(monkeypatch):
-    import os
-
+def test_small_batch_threads_flag_defaults_to_all_threads():
     from tokenfab.server.cli import small_batch_threads
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert small_batch_threads(None) == 1
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    assert small_batch_threads(None) is None            # many cores: the HTTP side has room anyway
-    assert small_batch_threads(0) is None and small_batch_threads(3) == 3
+    assert small_batch_threads(None) is None and small_batch_threads(0) is None
+    assert small_batch_threads(3) == 3
     with pytest.raises(ValueError, match="small-batch-threads"):
         small_batch_threads(-1)

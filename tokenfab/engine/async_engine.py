@@ -32,6 +32,7 @@ from typing import Protocol
 
 import torch
 
+from tokenfab import kernels
 from tokenfab.outputs import RequestOutput
 from tokenfab.sampling import SamplingParams
 
@@ -137,9 +138,9 @@ class AsyncEngine:
     def __init__(self, engine, *, max_waiting_requests: int | None = None, max_consecutive_failures: int = 3,
                  listener: EngineListener | None = None, small_batch_threads: int | None = None) -> None:
         """small_batch_threads: torch/OpenMP threads for steps computing at most SMALL_BATCH tokens
-        (None: always torch's setting). On a CPU with few cores, small decode steps are bound by memory
-        and dispatch, and leaving a core to the event loop (HTTP, SSE) beats one more compute thread
-        fighting it for the core (docs/serving.md); big batches and every prefill get all threads."""
+        (None: always torch's setting), like llama.cpp's --threads beside --threads-batch; big batches
+        and every prefill get all threads. Off by default: once the loader thread's OpenMP pool is
+        released (`start`), all threads won on every step size measured (docs/serving.md)."""
         self.engine = engine
         self.small_batch_threads = small_batch_threads
         self.max_waiting_requests = max_waiting_requests
@@ -160,6 +161,7 @@ class AsyncEngine:
         """Start the worker thread; call from the event loop that will consume the streams."""
         assert self._thread is None, "AsyncEngine.start() called twice"
         self._loop = asyncio.get_running_loop()
+        kernels.release_thread_pool()      # the model's loader thread hands its OpenMP pool back: one pool
         self._thread = threading.Thread(target=self._run, name="tokenfab-engine", daemon=True)
         self._thread.start()
 

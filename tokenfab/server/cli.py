@@ -40,8 +40,8 @@ def add_parser(subparsers) -> None:
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log one line per request")
     g.add_argument("--small-batch-threads", type=int, default=None, metavar="N",
-                   help="torch threads for steps of at most 4 tokens (small decodes); 0 = always all (default: cores - 1 on "
-                        "machines with 2-4 cores, leaving one to the HTTP side; else all)")
+                   help="torch threads for steps of at most 4 tokens (small decodes), like llama.cpp's --threads "
+                        "beside --threads-batch; 0 or unset = always all")
     g.add_argument("--step-log", metavar="FILE.jsonl",
                    help="append one JSON line per engine step (shape and wall time): a measured step table for "
                         "`tokenfab plan capacity --step-table` and `plan validate`")
@@ -65,13 +65,10 @@ def server_config_from_args(args: argparse.Namespace):
 
 
 def small_batch_threads(flag: int | None) -> int | None:
-    """--small-batch-threads: None (unset) picks cores - 1 on 2-4 core machines; 0 turns it off."""
-    if flag is not None:
-        if flag < 0:
-            raise ValueError(f"--small-batch-threads must be 0 (off) or positive, got {flag}")
-        return flag or None
-    cores = os.cpu_count() or 1
-    return cores - 1 if 2 <= cores <= 4 else None
+    """--small-batch-threads: None (unset) or 0: every step on all threads."""
+    if flag is not None and flag < 0:
+        raise ValueError(f"--small-batch-threads must be 0 (off) or positive, got {flag}")
+    return flag or None
 
 
 def serve_command(args: argparse.Namespace) -> int:
