@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import os
 
-# OpenMP threads spin while they wait for work. On a CPU shared with other jobs, that spinning made
-# main-thread engine steps 5-20x slower than the same steps in a worker thread (the server's layout):
-# 85 ms vs 450-2000 ms per step on a loaded 2-core box. Passive waiting makes both sides comparable,
-# so the ratios below measure HTTP, not OpenMP. Set before torch loads; the server inherits it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Until 2026-11-30 this set OMP_WAIT_POLICY=PASSIVE: engine steps ran 5-20x slower in one thread than
+# in another. The cause was two OpenMP pools (libgomp throttles spinning when it holds more threads
+# than cores); the server now releases its loader thread's pool, and the engine here runs in this
+# process's only pool, so both sides keep OpenMP's default waiting.
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
