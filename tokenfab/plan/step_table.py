@@ -11,7 +11,7 @@ and the fit is
 with f piecewise linear between knots on the token count and every coefficient non-negative. The
 token count is how many rows go through the linear layers, which is what switches a real engine's
 regime: memory-bound decode kernels for a few rows, a GEMM for many, fewer threads for small steps
-(tokenfab on CPU does all three), a CUDA graph per batch size. A single line through all of them
+(tokenfab on CPU can do all three), a CUDA graph per batch size. A single line through all of them
 misses both ends (on the 2-core VM it under-predicted a held-out run's P50 TPOT by 15-33 %). Knots sit
 on a grid (every count to 8, then ×1.5 steps) thinned until each segment holds at least
 `MIN_ROWS_PER_SEGMENT` rows, so sparse tables fall back to a line. Rows are weighted by 1/√step_s
