@@ -16,6 +16,7 @@ _COMMAND_MODULES = [
     "tokenfab.bench.cli",    # bench
     "tokenfab.quant.cli",    # quant
     "tokenfab.plan.cli",     # plan
+    "tokenfab.doctor.cli",   # doctor
 ]
 
 

@@ -18,11 +18,13 @@ import tokenfab
 from tokenfab.engine.async_engine import AsyncEngine
 from tokenfab.server import chat, completions
 from tokenfab.server.config import ServerConfig
+from tokenfab.server.doctor_route import add_doctor_route
 from tokenfab.server.errors import APIError, install_error_handlers
 from tokenfab.server.metrics import CONTENT_TYPE, ServerMetrics
 from tokenfab.server.middleware import AccessLog, APIKeyAuth, BodySizeLimit
 from tokenfab.server.protocol import DetokenizeRequest, TokenizeRequest
 from tokenfab.server.state import ServerState
+from tokenfab.server.ui import add_ui_routes
 
 log = logging.getLogger("tokenfab.server")
 
@@ -66,6 +68,9 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(completions.router)
     app.include_router(chat.router)
     _add_small_routes(app, state)
+    add_doctor_route(app, state)
+    if config.ui:
+        add_ui_routes(app)
 
     # add_middleware wraps outside-in in reverse order of the calls: the last added runs first.
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)

@@ -42,6 +42,8 @@ def add_parser(subparsers) -> None:
     g.add_argument("--small-batch-threads", type=int, default=None, metavar="N",
                    help="torch threads for steps of at most 4 tokens (small decodes), like llama.cpp's --threads "
                         "beside --threads-batch; 0 or unset = always all")
+    g.add_argument("--no-ui", dest="ui", action="store_false",
+                   help="do not serve the web page (chat, live dashboard, bench viewer, doctor) at /")
     g.add_argument("--step-log", metavar="FILE.jsonl",
                    help="append one JSON line per engine step (shape and wall time): a measured step table for "
                         "`tokenfab plan capacity --step-table` and `plan validate`")
@@ -59,7 +61,8 @@ def server_config_from_args(args: argparse.Namespace):
                           served_model_names=list(args.served_model_name or []),
                           max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
                           allowed_origins=list(args.allowed_origins or []), shutdown_timeout=args.shutdown_timeout,
-                          access_log=args.access_log, small_batch_threads=small_batch_threads(args.small_batch_threads))
+                          access_log=args.access_log, small_batch_threads=small_batch_threads(args.small_batch_threads),
+                          ui=args.ui)
     config.validate()
     return config
 
@@ -103,6 +106,8 @@ def serve_command(args: argparse.Namespace) -> int:
         env = API_KEY_ENV if server_config.api_keys else None
         print(f"\ntokenfab is serving {state.model_name} at {url} (max_model_len {state.max_model_len}). "
               f"Try:\n\n{curl_example(url, state.model_name, env)}\n", flush=True)
+        if server_config.ui:
+            print(f"Or open {url}/ in a browser (chat, live dashboard, bench viewer, doctor).\n", flush=True)
         if env and not os.environ.get(API_KEY_ENV):
             print(f"(set {API_KEY_ENV} to your key first, or paste it in place of ${API_KEY_ENV})\n", flush=True)
 

@@ -18,6 +18,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0           # seconds to drain in-flight requests after SIGTERM
     access_log: bool = True
     small_batch_threads: int | None = None   # torch threads for steps of few sequences; None: torch's setting
+    ui: bool = True                          # the web page at / (chat, dashboard, bench viewer, doctor)
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:

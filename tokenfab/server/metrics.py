@@ -61,10 +61,30 @@ class _EngineCollector:
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels[0])
             c.add_metric(labels[1], float(getattr(stats, attr, 0)))
             yield c
+        info = self.config_labels()
+        if info:
+            g = GaugeMetricFamily(PREFIX + "config_info", "The engine's settings, as labels (value 1); "
+                                  "`tokenfab doctor` reads them.", labels=[*labels[0], *info])
+            g.add_metric([*labels[1], *info.values()], 1.0)
+            yield g
         g = GaugeMetricFamily(PREFIX + "engine_alive", "1 while the engine loop runs, 0 once it has died.",
                               labels=labels[0])
         g.add_metric(labels[1], 1.0 if self.async_engine.dead_reason is None else 0.0)
         yield g
+
+
+    def config_labels(self) -> dict[str, str]:
+        engine = self.async_engine.engine
+        cfg = getattr(engine, "config", None)
+        if cfg is None:
+            return {}
+        labels = {k: str(getattr(cfg, k, "")) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                                                       "dtype", "kv_cache_dtype", "quantization")}
+        bm = getattr(engine, "block_manager", None)
+        if bm is not None:
+            labels["num_kv_blocks"] = str(bm.num_blocks)
+        labels["max_model_len"] = str(getattr(engine, "max_model_len", ""))
+        return labels
 
 
 class ServerMetrics:

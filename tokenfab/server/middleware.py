@@ -15,7 +15,9 @@ from tokenfab.server.errors import error_bytes
 access_log = logging.getLogger("tokenfab.access")
 
 # Paths anyone may call: probes and scrapers must work without the key.
-PUBLIC_PATHS = ("/health", "/metrics", "/version")
+PUBLIC_PATHS = ("/health", "/metrics", "/version", "/")
+# The web page's static files (server/ui.py): the page asks the user for the key, it holds none.
+PUBLIC_PREFIXES = ("/ui/",)
 
 
 async def send_error(send, status: int, message: str, code: str | None = None,
@@ -81,7 +83,8 @@ class APIKeyAuth:
         self.keys = [k.encode() for k in api_keys]
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.keys or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or not self.keys or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS" \
+                or scope["path"].startswith(PUBLIC_PREFIXES):
             return await self.app(scope, receive, send)
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
