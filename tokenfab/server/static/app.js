@@ -376,10 +376,12 @@ function showBench(result) {
   for (const [m, name] of METRICS.filter(([m]) => m !== "itl")) {
     if (!buckets.length) break;
     const xs = buckets.map((_, i) => i);
-    const bars = uPlot.paths.bars({ size: [0.35, 60] });
+    // Side by side: P50 left of the bucket's tick, P99 right of it.
+    const bar = (align) => uPlot.paths.bars({ size: [0.3, 50], align });
     const c = makeChart("#bench-charts", `${name} P50 / P99 by prompt length (ms), ${runLabel(run)}`,
-      [{ label: "P50", fill: COLORS[0] + "aa", paths: bars }, { label: "P99", fill: COLORS[1] + "aa", paths: bars }],
-      { scales: { x: { time: false, range: [-0.6, buckets.length - 0.4] } },
+      [{ label: "P50", fill: COLORS[0] + "aa", paths: bar(-1), points: { show: false } },
+       { label: "P99", fill: COLORS[1] + "aa", paths: bar(1), points: { show: false } }],
+      { scales: { x: { time: false, range: [-0.6, buckets.length - 0.4] }, y: { range: (u, lo, hi) => [0, hi * 1.1] } },
         axes: [{ values: (u, ticks) => ticks.map((t) => Number.isInteger(t) && buckets[t] ? buckets[t].bucket : ""), splits: () => xs }, { size: 60 }] });
     c.setData([xs, buckets.map((b) => b["median_" + m + "_ms"]), buckets.map((b) => b["p99_" + m + "_ms"])]);
     Bench.charts.push(c);
