@@ -36,7 +36,18 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         mod.add_parser(subs)
+    _name_commands(parser)
     return parser
+
+
+def _name_commands(parser: argparse.ArgumentParser) -> None:
+    """Each (sub-)sub-command records its full name (`tokenfab plan roofline`) for error messages;
+    the innermost parser's default wins, as argparse copies a sub-parser's namespace over its parent's."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.set_defaults(command_prog=sub.prog.split(" [")[0])
+                _name_commands(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except (CLIError, ValueError, FileNotFoundError) as e:
-        print(f"tokenfab {args.command}: error: {e}", file=sys.stderr)
+        print(f"{getattr(args, 'command_prog', None) or f'tokenfab {args.command}'}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -85,8 +85,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    help=f"KV cache element type; auto follows --dtype (default: {d.kv_cache_dtype})")
     # No argparse choices: EngineConfig.validate owns the list and names it when a value is wrong.
     g.add_argument("--quantization", "-q", default=None,
-                   help="weights: auto (GGUF blocks as shipped, else float), none (float), gguf, int8, int4, "
-                        f"int4-g32, int4-g64 or int4-g128 (default: {d.quantization})")
+                   help="weights: auto (GGUF blocks as shipped, else float), none (float), gguf, int8, w8a8 "
+                        "(int8 weights and activations), int4, int4-g32, int4-g64 or int4-g128 "
+                        f"(default: {d.quantization})")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
                    help=f"fcfs, or priority (lower `priority` values run first) (default: {d.scheduling_policy})")
     g.add_argument("--seed", type=int, default=None, help=f"engine seed (default: {d.seed})")

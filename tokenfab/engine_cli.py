@@ -78,6 +78,12 @@ def _engine(args):
 
 def cmd_generate(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    # Checked before the model loads (which takes seconds), not by the engine after it.
+    if not prompt or (args.chat and not prompt.strip()):
+        from tokenfab.cli import CLIError
+        what = "standard input was empty" if args.prompt == "-" else "the prompt is empty"
+        raise CLIError(f"{what}; give the text to {'answer' if args.chat else 'continue'}, e.g. "
+                       "tokenfab generate " + ('--chat "Why is the sky blue?"' if args.chat else '"Once upon a time"'))
     params = _sampling_params(args)
     engine = _engine(args)
     if args.chat:
@@ -123,8 +129,10 @@ def cmd_info(args) -> int:
     cfg = files.config
     fp32 = cfg.kv_bytes_per_token(4)
     kv_bytes = {"float32": fp32, "bfloat16": cfg.kv_bytes_per_token(2), "int8": kv_int8_bytes_per_token(cfg)}
+    from tokenfab.model.bundled import model_display_name
+    name = model_display_name(files.path)
     info = {
-        "path": files.path, "name": cfg.name, "architecture": cfg.arch, "parameters": cfg.num_params(),
+        "path": files.path, "name": name, "gguf_general_name": cfg.name or None, "architecture": cfg.arch, "parameters": cfg.num_params(),
         "layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
         "context_length": cfg.max_position_embeddings, "rope_theta": cfg.rope_theta,
@@ -138,9 +146,9 @@ def cmd_info(args) -> int:
         return 0
     from rich.console import Console
     from rich.table import Table
-    t = Table(title=f"{cfg.name or cfg.arch} ({files.path})", show_header=False)
+    t = Table(title=f"{name} ({files.path})", show_header=False)
     for k, v in info.items():
-        if k == "path":
+        if k == "path" or v is None:
             continue
         if k == "parameters":
             v = f"{v:,} ({v / 1e6:.1f} M)"

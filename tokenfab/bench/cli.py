@@ -27,9 +27,19 @@ def add_parser(subparsers) -> None:
     _offline_parser(subs)
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" unless the help already says its default, or there is none to say."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
 def _serve_parser(subs) -> None:
     p = subs.add_parser("serve", help="load-test an OpenAI-compatible endpoint",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                        formatter_class=_DefaultsFormatter,
                         description="Load-test an OpenAI-compatible endpoint and report TTFT, TPOT, ITL, E2E, "
                                     "throughput and goodput as vLLM's `bench serve` defines them. See docs/bench.md.")
     g = p.add_argument_group("target")
@@ -87,7 +97,7 @@ def _compare_parser(subs) -> None:
 
 def _offline_parser(subs) -> None:
     p = subs.add_parser("offline", help="prefill and decode tok/s of the in-process engine",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=_DefaultsFormatter)
     p.add_argument("--model", help="a .gguf file or HF folder (default: the bundled model)")
     p.add_argument("--batch-sizes", type=_csv(int), default=[1, 4, 16])
     p.add_argument("--input-len", type=int, default=128)

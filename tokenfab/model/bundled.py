@@ -29,3 +29,16 @@ def resolve_model_path(model: str | None) -> str:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{model}: no such file or folder (give a .gguf file or an HF model folder)")
     return path
+
+
+def model_display_name(path: str | None) -> str:
+    """What to call a model: the bundled one by its name, else its file or folder name without .gguf.
+
+    Not GGUF's `general.name`: converters fill it from training-run folders (the bundled file says
+    "Smollm2 135M 8k Lc100K Mix1 Ep2"), while the file name is what the user typed."""
+    import contextlib
+    with contextlib.suppress(FileNotFoundError):
+        if path is None or os.path.realpath(path) == os.path.realpath(bundled_model_path()):
+            return BUNDLED_NAME
+    name = os.path.basename(os.path.normpath(path))
+    return name[:-5] if name.endswith(".gguf") else name

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -45,9 +46,11 @@ def roofline(r: dict) -> None:
                   f"overhead {e['step_overhead_ms']:.2f} ms ({e['source']}); ridge {r['ridge_intensity']:,.0f} FLOPs/byte")
     console.print(f"[dim]{r['label']}[/]")
     p = r["prefill"]
-    t = Table(title=f"phases (decode with {r['decode'][0]['context']} tokens of context per sequence)")
-    for c in ("phase", "FLOPs", "bytes", "FLOPs/byte", "bound", "time (ms)", "result"):
-        t.add_column(c, justify="right" if c not in ("phase", "bound") else "left")
+    # Light borders and short headers: the table fits an 80-column terminal without wrapping cells.
+    t = Table(title=f"phases (decode at {r['decode'][0]['context']} tokens of context per sequence)",
+              box=box.SIMPLE_HEAD, pad_edge=False)
+    for c in ("phase", "FLOPs", "bytes", "FLOP/B", "bound", "ms", "result"):
+        t.add_column(c, justify="right" if c not in ("phase", "bound") else "left", no_wrap=True)
     t.add_row(f"prefill {p['prompt_len']}", _si(p["flops"]), _si(p["bytes"]), _num(p["intensity"]),
               p["bound"], _ms(p["step_s"]), f"TTFT {_ms(p['ttft_s'])} ms")
     for d in r["decode"]:

@@ -21,7 +21,7 @@ _EVAL_ONLY = ("base", "candidate", "text", "ctx", "max_windows", "plot", "sensit
 
 def add_parser(subs) -> None:
     p = subs.add_parser(
-        "quant", help="quantize a model to a checkpoint folder, or evaluate quality against full precision",
+        "quant", add_help=False, help="quantize a model to a checkpoint folder, or evaluate quality against full precision",
         usage="tokenfab quant [MODEL] --scheme SCHEME --out DIR [--calib FILE] [--keep-float NAMES]\n"
               "       tokenfab quant eval [--base MODEL] --candidate MODEL_OR_SCHEME [--text FILE] [--ctx N] "
               "[--json] [--plot PNG] [--sensitivity]",
@@ -36,7 +36,19 @@ def add_parser(subs) -> None:
     w.add_argument("--calib", metavar="FILE", help="calibration text for AWQ schemes "
                    "(default: the bundled text's calibration slice, disjoint from what eval scores)")
     w.add_argument("--calib-tokens", type=int, metavar="N", default=None, help="calibration tokens for AWQ (default: 1024)")
-    e = p.add_argument_group("eval")
+    _eval_args(p.add_argument_group("eval"))
+    _common_args(p.add_argument_group("both"))
+    # `quant eval --help` shows eval's own help (one parser serves both forms, so argparse cannot).
+    p.add_argument("-h", "--help", action=_Help, nargs=0, help="show this help message and exit")
+    p.set_defaults(func=cmd_quant)
+
+
+EVAL_DESCRIPTION = ("Measure a candidate (a scheme quantized now, the GGUF's own blocks, or a checkpoint folder) "
+                    "against the full-precision base on held-out text: KL divergence, same top-1, Δp and perplexity, "
+                    "as llama.cpp's perplexity tool reports them.")
+
+
+def _eval_args(e) -> None:
     e.add_argument("--base", default=None, metavar="MODEL", help="the full-precision model (default: the bundled model, run as float)")
     e.add_argument("--candidate", metavar="MODEL_OR_SCHEME", help="a scheme name (quantizes the base now), gguf (the base file's blocks as "
                    "shipped), none (float weights; with --kv-cache-dtype int8), or a model path such as a folder "
@@ -56,7 +68,9 @@ def add_parser(subs) -> None:
                    help="add the per-layer table: KL on the first window when only that layer is quantized")
     e.add_argument("--sensitivity-by", choices=("block", "linear", "kind"), default=None,
                    help="what one row quantizes: a decoder block (default), one linear, or one kind (q/k/v...)")
-    c = p.add_argument_group("both")
+
+
+def _common_args(c) -> None:
     c.add_argument("--keep-float", metavar="NAMES", default=None,
                    help="comma-separated layer names or patterns kept in float, e.g. lm_head,layers.0 "
                         "(replaces the default: embeddings and LM head)")
@@ -64,8 +78,21 @@ def add_parser(subs) -> None:
     c.add_argument("--num-threads", type=int, metavar="N", default=None,
                    help="torch intra-op threads (default: 1 while the machine is busy, i.e. its load average "
                         "is at least its core count; otherwise torch's choice)")
-    p.set_defaults(func=cmd_quant)
 
+
+class _Help(argparse.Action):
+    """-h/--help: after the word `eval`, the help of `tokenfab quant eval` alone."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, "target", None) == EVAL_WORD:
+            parser = argparse.ArgumentParser(
+                prog="tokenfab quant eval", description=EVAL_DESCRIPTION,
+                usage="tokenfab quant eval [--base MODEL] --candidate MODEL_OR_SCHEME [--text FILE] [--ctx N] "
+                      "[--json] [--plot PNG] [--sensitivity]")
+            _eval_args(parser.add_argument_group("eval"))
+            _common_args(parser.add_argument_group("options"))
+        parser.print_help()
+        parser.exit()
 
 def _given(args, names) -> list[str]:
     return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) not in (None, False)]

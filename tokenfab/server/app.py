@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -31,13 +30,8 @@ log = logging.getLogger("tokenfab.server")
 
 def default_model_name(engine) -> str:
     """The bundled model's name, or the file/folder name without a .gguf suffix."""
-    from tokenfab.model.bundled import BUNDLED_NAME, bundled_model_path
-    path = getattr(engine, "model_path", None)
-    with contextlib.suppress(FileNotFoundError):
-        if path is None or os.path.realpath(path) == os.path.realpath(bundled_model_path()):
-            return BUNDLED_NAME
-    name = os.path.basename(os.path.normpath(path))
-    return name[:-5] if name.endswith(".gguf") else name
+    from tokenfab.model.bundled import model_display_name
+    return model_display_name(getattr(engine, "model_path", None))
 
 
 def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
