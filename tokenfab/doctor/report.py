@@ -4,6 +4,9 @@ Shared by `tokenfab doctor` and the server's `/doctor` endpoint, so both say the
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+
 from tokenfab.doctor.rules import Finding, Measured, diagnose
 from tokenfab.doctor.scrape import Window
 
@@ -28,6 +31,10 @@ def deployment_for(hardware: str, model: str | None, config: dict, hardware_file
     from tokenfab.plan.roofline import Deployment
     hw = get_hardware(hardware, load_catalog(hardware_files))
     spec = resolve_model(model)
+    if model is None or os.path.exists(os.path.expanduser(model)):
+        # GGUF's general.name is often a training-run label; call the model what the server calls it.
+        from tokenfab.model.bundled import model_display_name
+        spec = dataclasses.replace(spec, name=model_display_name(model and os.path.expanduser(model)))
     act = _FLOAT.get(str(config.get("dtype", "float32")), "fp32")
     kv = "int8" if config.get("kv_cache_dtype") == "int8" else act
     w = weight_dtype(str(config.get("quantization", "auto")), str(config.get("dtype", "float32")), spec.default_dtype)

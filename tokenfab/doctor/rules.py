@@ -274,7 +274,8 @@ def host_overhead(m: Measured, dep=None) -> Finding | None:
     ev = [f"at a batch of {batch}, decode steps take {_ms(m.itl_mean_s)}, {ratio:.1f}x the roofline's "
           f"{_ms(st.total_s)} on {dep.hardware.name}: the time goes to the host (Python, scheduling, kernel "
           "launches), not to moving weights."]
-    advice = ["measure the fixed per-step cost with `tokenfab plan calibrate` and plan with it",
+    advice = ["on a shared machine, other processes' load looks the same: check the load average first",
+              "measure the fixed per-step cost with `tokenfab plan calibrate` and plan with it",
               "check --num-threads against the cores you have; more concurrent requests amortise the fixed cost "
               "over more tokens"]
     return Finding("host_overhead", "Host overhead dominates small-batch steps", ev, advice,
