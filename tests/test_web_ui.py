@@ -109,7 +109,7 @@ def test_page_loads_offline_with_the_model_name(page, server):
     shot(page, "load")
 
 
-def test_chat_streams_a_reply_and_paints_the_first_token_soon_after_the_api_ttft(page, server):
+def test_chat_streams_a_reply_with_ttft_and_tok_s_under_it(page, server):
     page.goto(server + "/")
     page.wait_for_function("document.querySelector('#model-name').textContent.length > 0")
     chat(page, "Name three colors.", max_tokens=24)
