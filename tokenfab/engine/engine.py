@@ -17,12 +17,13 @@ from tokenfab.engine.runner import ModelRunner
 from tokenfab.engine.sampler import Sampler, SampleRow
 from tokenfab.engine.scheduler import Scheduler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
+from tokenfab.kernels.tuning import select_kernels
 from tokenfab.model.attention import kv_bytes_per_token
-from tokenfab.model.layers import pack_linears
-from tokenfab.model.llama import build_model
+from tokenfab.model.layers import pack_linears, release_float_weights
 from tokenfab.model.loader import LoadedModel, load_model_files
 from tokenfab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tokenfab.quant.linear import enable_float_cache
+from tokenfab.quant.kernels import KERNEL_ALIASES
+from tokenfab.quant.load import build_model
 from tokenfab.sampling import SamplingParams
 
 log = logging.getLogger("tokenfab.engine")
@@ -94,9 +95,7 @@ class LLMEngine:
 
         self.model = build_model(files, self.dtype, config.device, config.block_size, self.max_model_len + 1,
                                  config.quantization)
-        pack_linears(self.model)      # float linears in oneDNN's layout on CPU (model/layers.py)
-        if config.device == "cpu" and self.dtype == torch.float32:   # float copies for big batches, if they fit
-            enable_float_cache(self.model, int(available_memory(config.device) * FLOAT_CACHE_SHARE))
+        self._choose_kernels(kv_dtype)
         del files
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -116,6 +115,27 @@ class LLMEngine:
         # AsyncEngine picking a thread count for the step's size.
         self.before_execute = None
         self.errors: dict[str, str] = {}      # request id -> why it failed, until its output is returned
+
+    def _choose_kernels(self, kv_dtype: torch.dtype) -> None:
+        """Every linear's kernels (the measured table) and the attention backend, once."""
+        config, model = self.config, self.model
+        pack_linears(model)           # float linears behind the kernel seam (model/layers.py)
+        float_budget = 0              # float copies of quantized weights, where the table says they pay
+        if config.enable_float_cache and config.device == "cpu" and self.dtype == torch.float32:
+            float_budget = int(available_memory(config.device) * FLOAT_CACHE_SHARE)
+        self.kernel_report = select_kernels(
+            model, max_rows=config.max_num_batched_tokens, head_max_rows=config.max_num_seqs, head=model.lm_head,
+            autotune=config.kernel_autotune and config.device == "cpu", dtype=self.dtype,
+            force=KERNEL_ALIASES.get(config.linear_kernel, config.linear_kernel), float_copy_budget=float_budget,
+            stack_rows=config.fused_decode_max_tokens if config.enable_fused_decode else 0)
+        release_float_weights(model)
+        model.set_attention_backend(model.default_backend(
+            config.attention_backend, kv_dtype, fused_decode=config.enable_fused_decode,
+            fused_max_tokens=config.fused_decode_max_tokens))
+        r = self.kernel_report
+        log.info("kernels: attention %s; linears %s%s", model.attention_backend.name,
+                 "; ".join(f"{k} x{r.layers[k]}: {v}" for k, v in r.plans.items()),
+                 f" (measured in {r.measured_s:.1f} s)" if r.measured_s else "")
 
     # -- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
