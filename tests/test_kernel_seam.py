@@ -88,8 +88,10 @@ def test_a_kernel_must_beat_the_preferred_one_by_a_margin_and_a_lossy_one_by_mor
     key = model[0].shape_key()
     # float 5 % faster than qgemm: noise, qgemm stays; packed (bf16 activations) 30 % faster: not enough
     tbl = _table(key, {"qgemm": [1.0, 1.0, 1.0, 1.0], "float": [0.95] * 4, "packed": [0.7] * 4})
-    select_kernels(model, max_rows=64, head_max_rows=8, table=tbl, autotune=False, float_copy_budget=1 << 30)
+    select_kernels(model, max_rows=512, head_max_rows=8, table=tbl, autotune=False, float_copy_budget=1 << 30)
     assert model[0].plan.names() == [(64, "qgemm"), (None, "float")]    # past its measured rows: the float copy
+    select_kernels(model, max_rows=64, head_max_rows=8, table=tbl, autotune=False, float_copy_budget=1 << 30)
+    assert model[0].plan.names() == [(None, "qgemm")]           # it never sees more rows: no float copy
 
 
 def test_registry_falls_back_when_the_measured_best_is_unavailable(monkeypatch):
@@ -100,7 +102,7 @@ def test_registry_falls_back_when_the_measured_best_is_unavailable(monkeypatch):
     select_kernels(model, max_rows=64, head_max_rows=8, table=tbl, autotune=False, float_copy_budget=1 << 30)
     assert model[0].plan.names() == [(None, "float")]
     # and with no room for float copies either: the next measured kernel, then dequant past its rows
-    select_kernels(model, max_rows=64, head_max_rows=8, table=tbl, autotune=False, float_copy_budget=0)
+    select_kernels(model, max_rows=512, head_max_rows=8, table=tbl, autotune=False, float_copy_budget=0)
     assert [n for _, n in model[0].plan.names()] == ["packed", "dequant"]
 
 

@@ -37,6 +37,8 @@ class EngineConfig:
     enable_fused_decode: bool = True         # cpu backend: the whole stack in one C call on small decode steps
     fused_decode_max_tokens: int = 16        # ... of at most this many rows (and where every linear runs qgemm)
     small_batch_tokens: int = DEFAULT_SMALL_BATCH_TOKENS   # serve --small-batch-threads: steps this small
+    adaptive_threads: bool = True            # lower the thread count while other processes take cores, restore
+                                             # it after (tokenfab/engine/threads.py; CPU, 2+ threads)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -11,8 +11,9 @@ At load every linear gets a `LinearPlan`: a short list of (largest row count, ke
 from the measured table (tokenfab/kernels/tuning.py) or a forced kernel. The forward pass runs the
 plan's kernel for its row count and nothing else: no checks per call, no cascade.
 
-This module sits below both tokenfab.model and tokenfab.quant (they register their kernels and
-subclass `KernelLinear`); it imports neither.
+This module sits below both tokenfab.model and tokenfab.quant and imports neither: the float kernels
+are registered here, the quantized formats' kernels by tokenfab/quant/kernels.py, which every
+quantized layer's module imports (so they are registered before any quantized layer exists).
 """
 from __future__ import annotations
 
@@ -54,23 +55,13 @@ def register(kernel: LinearKernel) -> LinearKernel:
 
 
 def registered(fmt: str | None = None) -> list[LinearKernel]:
-    _load_registrations()
     return [k for k in _REGISTRY.values() if fmt is None or fmt in k.formats]
 
 
 def get(name: str) -> LinearKernel:
-    _load_registrations()
     if name not in _REGISTRY:
         raise ValueError(f"unknown linear kernel {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
-
-
-def _load_registrations() -> None:
-    # The quantized kernels live with the quantized formats (tokenfab/quant/kernels.py) and register
-    # themselves on import. Importing the package here (lazily, at call time) keeps the import graph
-    # pointing down: quant -> kernels, never kernels -> quant at module level.
-    import importlib
-    importlib.import_module("tokenfab.quant.kernels")
 
 
 def candidates(layer: "KernelLinear") -> list[LinearKernel]:

@@ -180,7 +180,8 @@ class KernelTable:
                 entry["times"][name] = [dict(zip(entry["rows"], ts)).get(r) for r in all_rows]
         entry["rows"] = all_rows
 
-    def ranges(self, layer: KernelLinear, allowed: set[str], stack_rows: int = 0) -> list[tuple[int | None, str]] | None:
+    def ranges(self, layer: KernelLinear, allowed: set[str], stack_rows: int = 0,
+               max_rows: int | None = None) -> list[tuple[int | None, str]] | None:
         """Fastest allowed kernel per measured row count, as plan ranges; None if nothing measured."""
         e = self.entries.get(layer.shape_key())
         if e is None:
@@ -197,7 +198,10 @@ class KernelTable:
             total = {k: sum(t or float("inf") for t in e["times"][k]) for k in order}
             return [(None, _pick(order, total, lossy))]
         ranges: list[tuple[int | None, str]] = []
+        wanted = set(row_buckets(max_rows)) if max_rows else set(e["rows"])
         for i, r in enumerate(e["rows"]):
+            if r not in wanted:
+                continue
             t = {k: e["times"][k][i] for k in order if e["times"][k][i] is not None}
             if t:
                 pick = _pick([k for k in order if k in t], t, lossy)
@@ -207,7 +211,8 @@ class KernelTable:
         if not ranges:
             return None
         last = ranges[-1][1]
-        if get(last).tune_max_rows is not None and "dequant" in allowed:
+        covered = max_rows is not None and ranges[-1][0] >= max_rows     # the layer never sees more rows
+        if not covered and get(last).tune_max_rows is not None and "dequant" in allowed:
             ranges.append((None, "float" if "float" in allowed and "float" in e["times"] else "dequant"))
         else:
             ranges[-1] = (None, last)
@@ -302,10 +307,10 @@ def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int,
         if force != "auto" and force in ok:
             chosen[key] = [(None, force)]
             continue
-        r = tbl.ranges(ms[0], ok, stack_rows) if tbl is not None else None
+        r = tbl.ranges(ms[0], ok, stack_rows, rows_for[key]) if tbl is not None else None
         chosen[key] = r if r is not None else default_rules(ms[0], allow_float_copy=float_copy_budget > 0)
 
-    _fit_float_copies(chosen, by_key, tbl, float_copy_budget, stack_rows)
+    _fit_float_copies(chosen, by_key, tbl, float_copy_budget, stack_rows, rows_for)
     for key, ms in by_key.items():
         for m in ms:
             m.plan = build_plan(m, chosen[key])
@@ -330,7 +335,7 @@ def build_describe(ranges: list[tuple[int | None, str]]) -> str:
     return ", ".join(out)
 
 
-def _fit_float_copies(chosen, by_key, tbl: KernelTable | None, budget: int, stack_rows: int) -> None:
+def _fit_float_copies(chosen, by_key, tbl: KernelTable | None, budget: int, stack_rows: int, rows_for) -> None:
     """Drop "float" from shapes (best saving per byte kept first) until their copies fit `budget`."""
     def cost(key):
         m = by_key[key][0]
@@ -359,5 +364,5 @@ def _fit_float_copies(chosen, by_key, tbl: KernelTable | None, budget: int, stac
             continue
         m = by_key[key][0]
         ok = {k.name for k in candidates(m)} - {"float"}
-        r = tbl.ranges(m, ok, stack_rows) if tbl is not None else None
+        r = tbl.ranges(m, ok, stack_rows, rows_for[key]) if tbl is not None else None
         chosen[key] = r if r is not None else default_rules(m, allow_float_copy=False)
