@@ -128,7 +128,7 @@ class CpuBackend(TorchBackend):
     def describe(self) -> str:
         attn = "C decode attention, RoPE+KV write" if self.c_attention else "torch attention (int8 KV)"
         stack = (f"one-call decode stack up to {self.stack_rows} rows" if self.stack_rows
-                 else "one-call decode stack " + ("not built yet" if self._stack is None else "off"))
+                 else "one-call decode stack " + ("checked at the first decode step" if self._stack is None else "off"))
         return f"cpu ({attn}, C norms; {stack})" if self.fused_decode else f"cpu ({attn}, C norms)"
 
 
