@@ -77,11 +77,19 @@ def memory_breakdown(model: torch.nn.Module, float_copy_bytes: int, kv_bytes: in
         for c in (m.plan.choices if m.plan else []):
             if not c.kernel.float_copy:
                 for t in _tensors(c.state):
-                    if t.data_ptr() not in seen:
-                        seen.add(t.data_ptr())
+                    key = _storage_key(t)
+                    if key not in seen:
+                        seen.add(key)
                         weights += t.numel() * t.element_size()
     return {"weights": weights, "float_copies": float_copy_bytes, "kv_pool": kv_bytes,
             "total": weights + float_copy_bytes + kv_bytes}
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return t.data_ptr()
+    except RuntimeError:      # oneDNN's packed weights are opaque tensors: no shared storage to find
+        return id(t)
 
 
 def _tensors(state) -> list[torch.Tensor]:
