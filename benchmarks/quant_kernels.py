@@ -7,7 +7,7 @@ Prints, for each [out x in] shape and token count, the float32 time and each var
 ratio to it (> 1: faster than float32). Variants: bf16 F.linear, and for int8 (per channel),
 int4-g32 (also Q4_1, the same kernel) and Q8_0 both paths: `packed` (torch's int8/int4 CPU kernels,
 bf16 activations) and `dequant` (expand the weight, then F.linear). The last columns say which of
-the two quantized paths won, which is what kernels.PACKED_MAX_TOKENS encodes.
+the two quantized paths won, which is what tokenfab/kernels/tuning.py's default rules encode (the engine measures its own table).
 
 Weights are streamed from memory as in a real decode step: each call uses the next of enough copies
 of the layer to overflow the CPU's last-level cache (a 576x576 float32 layer, 1.3 MB, would

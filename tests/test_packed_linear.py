@@ -4,9 +4,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenfab.model.layers import PackedLinear, pack_linears, packed_linear_supported
-from tokenfab.quant import kernels
-from tokenfab.quant.linear import Int4Linear, Int8Linear, W8A8Linear, enable_float_cache
+from tokenfab.kernels import linear as seam
+from tokenfab.model.layers import PackedLinear, pack_linears, packed_linear_supported, release_float_weights
+from tokenfab.quant.linear import Int4Linear, Int8Linear, W8A8Linear
 
 pytestmark = pytest.mark.skipif(not packed_linear_supported("cpu", torch.float32), reason="needs oneDNN on CPU")
 
@@ -36,6 +36,8 @@ def test_pack_linears_swaps_float_linears_and_keeps_a_tied_weight_readable():
     assert pack_linears(m) == 2
     assert isinstance(m.proj, PackedLinear) and isinstance(m.head, PackedLinear)
     assert isinstance(m.q, Int8Linear)                              # quantized layers are left alone
+    m.proj(x), m.head(x)                                            # installs the default plans (oneDNN)
+    assert release_float_weights(m) == 16 * 16 * 4
     assert m.head.weight is m.embed.weight                          # shared: stays
     assert m.proj.weight is None                                    # not shared: the packed copy replaces it
     torch.testing.assert_close(m.proj(x), ref_proj)
@@ -44,36 +46,21 @@ def test_pack_linears_swaps_float_linears_and_keeps_a_tied_weight_readable():
 
 @pytest.mark.parametrize("make", [lambda w: Int8Linear.from_float(w), lambda w: Int4Linear.from_float(w, None, 32)],
                          ids=["int8", "int4"])
-def test_float_cache_serves_big_batches_with_the_dequantized_weight(make):
+def test_float_copy_kernel_serves_any_batch_with_the_dequantized_weight(make):
     torch.manual_seed(0)
     q = make(torch.randn(256, 576) * 0.05)
     x = torch.randn(64, 576)
     ref = F.linear(x, q.dequantize())
-    q.float_cache = True
+    q.kernel = "float"
     torch.testing.assert_close(q(x), ref, rtol=1e-5, atol=1e-5)
-    assert q._float is not None                                     # built once, on first use
-    q._float = None
-    q.float_cache = False
-    q(x)
-    assert q._float is None
-
-
-def test_float_cache_turns_on_only_when_all_float_copies_fit():
-    mods = nn.ModuleList([Int8Linear.from_float(torch.randn(64, 32)) for _ in range(3)])
-    need = 3 * 64 * 32 * 4
-    assert enable_float_cache(mods, need - 1) == 0 and not any(m.float_cache for m in mods)
-    assert enable_float_cache(mods, need) == need and all(m.float_cache and m._float is not None for m in mods)
-
-
-def test_auto_kernel_switches_to_the_cached_float_weight_sooner():
-    x_few, x_many = torch.randn(kernels.CACHED_PACKED_MAX_TOKENS, 8), torch.randn(kernels.CACHED_PACKED_MAX_TOKENS + 1, 8)
-    assert kernels.use_packed("int4", "auto", x_few, True, 100, float_cached=True)
-    assert not kernels.use_packed("int4", "auto", x_many, True, 100, float_cached=True)
-    assert kernels.use_packed("int4", "auto", x_many, True, 100, float_cached=False)
+    assert q.plan.float_copy_bytes() == 256 * 576 * 4               # counted in the engine's budget
+    q.kernel = "dequant"
+    assert q.plan.float_copy_bytes() == 0
 
 
 # ------------------------------------------------------------------------------------------------ w8a8
-w8a8_only = pytest.mark.skipif(not kernels.w8a8_supported(torch.zeros(1)), reason="needs FBGEMM")
+w8a8_only = pytest.mark.skipif(seam.get("w8a8").supports(W8A8Linear.from_float(torch.randn(16, 32))) is not None,
+                               reason="needs FBGEMM")
 
 
 @w8a8_only

@@ -72,7 +72,9 @@ def test_native_gguf_blocks_give_float_logits_at_bf16_precision(bundled_files, f
     assert compare_logits(ref[rows], got[rows], targets).kl_mean < 0.005
 
     set_kernel(gguf, "dequant")                   # expand the blocks, then F.linear in float32
-    torch.testing.assert_close(full_logits(gguf, prompt_ids), ref)
+    # float32 throughout; the float model's GEMM (oneDNN or MKL, whichever the kernel table measured
+    # faster per shape) sums in another order: equal to float32 rounding
+    torch.testing.assert_close(full_logits(gguf, prompt_ids), ref, rtol=0, atol=2e-5 * float(ref.abs().max()))
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -4,7 +4,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenfab.quant import kernels
 from tokenfab.quant.schemes import dequantize_int4
 from tokenfab.quant.linear import (Int4Linear, Int8Linear, Q4_0Linear, Q4_1Linear, Q8_0Linear, QuantLinear,
                                    empty_from_config, gguf_linear, set_kernel)
@@ -81,25 +80,23 @@ def test_forward_keeps_leading_dims_and_dtype():
     assert mod(x.bfloat16()).dtype == torch.bfloat16
 
 
-def test_auto_kernel_picks_packed_for_few_tokens_and_dequant_for_many():
+def test_default_rules_pick_packed_for_few_tokens_and_dequant_for_many(monkeypatch):
+    from tokenfab import kernels as c
+    from tokenfab.kernels.tuning import default_rules
+    monkeypatch.setattr(c, "enabled", lambda: False)                 # rules without tf_qgemm
     mod = Int4Linear.from_float(torch.randn(64, 96), group_size=32)
-    small = torch.zeros(1, 96)
-    big = torch.zeros(kernels.PACKED_MAX_TOKENS["int4"] + 1, 96)
-    assert kernels.use_packed("int4", "auto", small, mod.packed_supported())
-    assert not kernels.use_packed("int4", "auto", big, mod.packed_supported())
-    assert not kernels.use_packed("int4", "dequant", small, True)
+    assert default_rules(mod) == [(32, "packed"), (None, "dequant")]
+    assert default_rules(mod, allow_float_copy=True) == [(4, "packed"), (None, "float")]
     # a large matrix (the LM head) stays packed further: expanding it costs more than the GEMM
-    mid = torch.zeros(kernels.PACKED_MAX_TOKENS["q8_0"] + 1, 96)
-    assert not kernels.use_packed("q8_0", "auto", mid, True, weight_numel=96 * 64)
-    assert kernels.use_packed("q8_0", "auto", mid, True, weight_numel=49152 * 576)
+    head = Q8_0Linear(torch.zeros(49152, 576, dtype=torch.int8), torch.ones(49152, 18))
+    assert default_rules(head)[0] == (32, "packed")
 
 
 def test_packed_kernel_refused_for_unsupported_shape():
     mod = Int4Linear.from_float(torch.randn(24, 96), group_size=32)   # 24 rows: not a multiple of 16
     assert not mod.packed_supported()
-    mod.kernel = "packed"
     with pytest.raises(ValueError, match="packed"):
-        mod(torch.randn(1, 96))
+        mod.kernel = "packed"
     mod.kernel = "auto"
     assert mod(torch.randn(1, 96)).shape == (1, 24)                   # auto falls back to dequant
 
@@ -123,7 +120,7 @@ def test_set_kernel_reaches_every_quantized_linear():
                                 Int4Linear.from_float(torch.randn(16, 8), group_size=32))
     assert set_kernel(model, "dequant") == 2
     assert all(m.kernel == "dequant" for m in model if isinstance(m, QuantLinear))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="registered"):
         set_kernel(model, "fast")
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+DEFAULT_SMALL_BATCH_TOKENS = 4
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -25,6 +27,18 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"          # fcfs | priority
     seed: int = 0
     num_threads: int | None = None           # torch intra-op threads; None: torch's default
+    # -- kernels: chosen once at load (tokenfab/kernels/linear.py, tokenfab/model/backends.py) ----------
+    attention_backend: str = "auto"          # auto | torch (portable) | cpu (tokenfab's C kernels)
+    linear_kernel: str = "auto"              # auto (measured table) | a registered kernel forced where it runs:
+                                             # onednn, torch, qgemm, packed, float, dequant, w8a8
+    kernel_autotune: bool = True             # measure the kernel table on first load (cached per CPU); False:
+                                             # the built-in rules, nothing measured
+    enable_float_cache: bool = True          # float32 copies of quantized weights where the table says they pay
+    enable_fused_decode: bool = True         # cpu backend: the whole stack in one C call on small decode steps
+    fused_decode_max_tokens: int = 16        # ... of at most this many rows (and where every linear runs qgemm)
+    small_batch_tokens: int = DEFAULT_SMALL_BATCH_TOKENS   # serve --small-batch-threads: steps this small
+    adaptive_threads: bool = True            # lower the thread count while other processes take cores, restore
+                                             # it after (tokenfab/engine/threads.py; CPU, 2+ threads)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -45,8 +59,20 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
-        from tokenfab.model.quantize import QUANTIZATIONS
+        from tokenfab.quant.load import QUANTIZATIONS
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        from tokenfab.model.backends import ATTENTION_BACKENDS
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.linear_kernel != "auto":
+            from tokenfab.kernels.linear import get
+            from tokenfab.quant.kernels import KERNEL_ALIASES
+            get(KERNEL_ALIASES.get(self.linear_kernel, self.linear_kernel))
+        for name in ("fused_decode_max_tokens", "small_batch_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")

@@ -93,6 +93,23 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     g.add_argument("--seed", type=int, default=None, help=f"engine seed (default: {d.seed})")
     g.add_argument("--num-threads", type=_positive_int, default=None,
                    help="torch intra-op threads (default: torch's choice)")
+    g.add_argument("--adaptive-threads", action=argparse.BooleanOptionalAction, default=None,
+                   help="lower the thread count while other processes take the cores, restore it after "
+                        f"(default: {'on' if d.adaptive_threads else 'off'})")
+    g.add_argument("--attention-backend", default=None,
+                   help=f"auto, torch (portable) or cpu (tokenfab's C kernels) (default: {d.attention_backend})")
+    g.add_argument("--linear-kernel", default=None,
+                   help="auto (the measured table) or one kernel forced where it runs: onednn, torch, qgemm, "
+                        f"packed, float, dequant, w8a8 (default: {d.linear_kernel})")
+    g.add_argument("--kernel-autotune", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure the kernel table on first load, cached per CPU under ~/.cache/tokenfab/tuning "
+                        f"(default: {'on' if d.kernel_autotune else 'off'}; off: built-in rules)")
+    g.add_argument("--enable-float-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="float32 copies of quantized weights where the kernel table says they pay "
+                        f"(default: {'on' if d.enable_float_cache else 'off'})")
+    g.add_argument("--enable-fused-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"cpu backend: one C call for the whole stack on small decode steps "
+                        f"(default: {'on' if d.enable_fused_decode else 'off'})")
 
 
 class _Group:

@@ -48,6 +48,11 @@ def add_parser(subs) -> None:
     i = subs.add_parser("info", help="architecture, parameter count, dtypes and KV bytes per token of a model")
     i.add_argument("model", nargs="?", default=None, help="a .gguf file or HF folder (default: the bundled model)")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--engine", action="store_true",
+                   help="also load the engine: the kernels chosen for this CPU (the measured table), the attention "
+                        "backend, and where the memory goes (weights, float copies, KV pool)")
+    i.add_argument("--max-num-seqs", type=int, default=None, help="with --engine (default: the engine's)")
+    i.add_argument("--max-model-len", type=int, default=None, help="with --engine (default: the model's)")
     i.set_defaults(func=cmd_info)
 
 
@@ -120,6 +125,30 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
+def _engine_info(files, args) -> dict:
+    """What an engine with these options chose on this CPU, and what it holds."""
+    from tokenfab.config import EngineConfig
+    from tokenfab.engine.engine import LLMEngine
+    kw = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len)) if v}
+    engine = LLMEngine(EngineConfig(model=args.model, **kw), loaded=files)
+    r, m = engine.kernel_report, engine.memory
+    return {
+        "attention_backend": engine.model.attention_backend.describe(),
+        "linear_kernels": {f"{k} (x{r.layers[k]})": v for k, v in r.plans.items()},
+        "kernel_table": r.table_path or "none (built-in rules)",
+        "memory_mib": {"weights": round(m["weights"] / 2**20, 1), "float copies": round(m["float_copies"] / 2**20, 1),
+                       "KV pool": round(m["kv_pool"] / 2**20, 1), "total": round(m["total"] / 2**20, 1)},
+        "kv_pool": f"{engine.block_manager.num_blocks * engine.config.block_size} tokens, sized from "
+                   f"{engine.kv_sized_from}; pages become resident as blocks are used",
+        "threads": torch_threads(),
+    }
+
+
+def torch_threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
 def cmd_info(args) -> int:
     import json
 
@@ -141,6 +170,8 @@ def cmd_info(args) -> int:
         # what a --kv-cache-memory of 1 GiB holds (the engine sizes its block pool the same way)
         "kv_tokens_per_gib": {d: (1 << 30) // b for d, b in kv_bytes.items()},
     }
+    if args.engine:
+        info.update(_engine_info(files, args))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -156,6 +187,8 @@ def cmd_info(args) -> int:
             v = ", ".join(f"{d}: {b:,} B" for d, b in v.items())
         elif k == "kv_tokens_per_gib":
             v = ", ".join(f"{d}: {n:,}" for d, n in v.items())
+        elif k in ("memory_mib", "linear_kernels"):
+            v = ", ".join(f"{d}: {n}" for d, n in v.items())
         elif k == "file_tensor_types":
             v = ", ".join(f"{d} x{n}" for d, n in v.items())
         t.add_row(k.replace("_", " "), str(v))

@@ -36,7 +36,7 @@ from tokenfab import kernels
 from tokenfab.outputs import RequestOutput
 from tokenfab.sampling import SamplingParams
 
-SMALL_BATCH = 4      # tokens: a step computing at most this many runs on small_batch_threads (if set)
+from tokenfab.config import DEFAULT_SMALL_BATCH_TOKENS as SMALL_BATCH   # EngineConfig.small_batch_tokens' default
 
 log = logging.getLogger("tokenfab.engine")
 
@@ -292,7 +292,7 @@ class AsyncEngine:
     def _threads_for_step(self, full: int, num_tokens: int) -> None:
         """The engine's before_execute hook: decided on the scheduled step's size, so a prefill
         never runs on the reduced thread count."""
-        want = self.small_batch_threads if num_tokens <= SMALL_BATCH else full
+        want = self.small_batch_threads if num_tokens <= self.engine.config.small_batch_tokens else full
         if want != torch.get_num_threads():
             torch.set_num_threads(want)
 
@@ -300,6 +300,7 @@ class AsyncEngine:
         failures = 0
         if self.small_batch_threads:
             self.engine.before_execute = functools.partial(self._threads_for_step, torch.get_num_threads())
+            self.engine.thread_controller = None       # one owner of the thread count
         try:
             while True:
                 busy = self.engine.has_unfinished_requests()

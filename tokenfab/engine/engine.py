@@ -17,12 +17,14 @@ from tokenfab.engine.runner import ModelRunner
 from tokenfab.engine.sampler import Sampler, SampleRow
 from tokenfab.engine.scheduler import Scheduler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
+from tokenfab.engine.threads import ThreadController, free_cores
+from tokenfab.kernels.tuning import select_kernels
 from tokenfab.model.attention import kv_bytes_per_token
-from tokenfab.model.layers import pack_linears
-from tokenfab.model.llama import build_model
+from tokenfab.model.layers import pack_linears, release_float_weights
 from tokenfab.model.loader import LoadedModel, load_model_files
 from tokenfab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tokenfab.quant.linear import enable_float_cache
+from tokenfab.quant.kernels import KERNEL_ALIASES
+from tokenfab.quant.load import build_model
 from tokenfab.sampling import SamplingParams
 
 log = logging.getLogger("tokenfab.engine")
@@ -46,6 +48,58 @@ def available_memory(device: str) -> int:
     return 8 << 30
 
 
+def kv_pool_blocks(config: EngineConfig, max_len: int, block_bytes: int) -> tuple[int, str]:
+    """How many KV blocks to reserve, and why: `num_kv_blocks`, else `kv_cache_memory`, else what
+    `max_num_seqs` sequences of `max_len` tokens need when that is less than the free-memory share
+    (20 % of available, at most 4 GiB), else that share."""
+    if config.num_kv_blocks:
+        return config.num_kv_blocks, "num_kv_blocks"
+    if config.kv_cache_memory:
+        return config.kv_cache_memory // block_bytes, "kv_cache_memory"
+    share = min(int(available_memory(config.device) * DEFAULT_KV_SHARE), DEFAULT_KV_CAP) // block_bytes
+    need = config.max_num_seqs * -(-max_len // config.block_size)
+    if need < share:
+        return need, f"max_num_seqs {config.max_num_seqs} x max_model_len {max_len}"
+    return share, f"{DEFAULT_KV_SHARE:.0%} of available memory, at most {DEFAULT_KV_CAP >> 30} GiB"
+
+
+def memory_breakdown(model: torch.nn.Module, float_copy_bytes: int, kv_bytes: int) -> dict[str, int]:
+    """Bytes by owner: the weights as stored (quantized blocks, float tensors, kernels' packed
+    layouts), the float copies of quantized weights the kernel table kept, and the KV pool."""
+    seen: set[int] = set()
+    weights = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen and t.device.type != "meta":
+            seen.add(t.data_ptr())
+            weights += t.numel() * t.element_size()
+    from tokenfab.kernels.linear import plan_linears
+    for m in plan_linears(model):       # layouts the plans prepared (oneDNN, tf_qgemm, packed), not float copies
+        for c in (m.plan.choices if m.plan else []):
+            if not c.kernel.float_copy:
+                for t in _tensors(c.state):
+                    key = _storage_key(t)
+                    if key not in seen:
+                        seen.add(key)
+                        weights += t.numel() * t.element_size()
+    return {"weights": weights, "float_copies": float_copy_bytes, "kv_pool": kv_bytes,
+            "total": weights + float_copy_bytes + kv_bytes}
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return t.data_ptr()
+    except RuntimeError:      # oneDNN's packed weights are opaque tensors: no shared storage to find
+        return id(t)
+
+
+def _tensors(state) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, (tuple, list)):
+        return [t for s in state for t in _tensors(s)]
+    return []
+
+
 @dataclass(slots=True)
 class EngineStats:
     """Counters since start (monotonic) and gauges (now), for /metrics and benchmarks."""
@@ -58,6 +112,7 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    num_threads: int = 0                 # torch/OpenMP threads the steps run on now
 
 
 class LLMEngine:
@@ -79,11 +134,7 @@ class LLMEngine:
         kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         self.kv_bytes_per_token = kv_bytes_per_token(mcfg, kv_dtype)
         block_bytes = self.kv_bytes_per_token * config.block_size
-        if config.num_kv_blocks:
-            num_blocks = config.num_kv_blocks
-        else:
-            budget = config.kv_cache_memory or min(int(available_memory(config.device) * DEFAULT_KV_SHARE), DEFAULT_KV_CAP)
-            num_blocks = budget // block_bytes
+        num_blocks, self.kv_sized_from = kv_pool_blocks(config, max_len, block_bytes)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory is too small for one KV block ({block_bytes} bytes)")
         # A sequence must always fit alone, or preemption could never make progress.
@@ -94,9 +145,7 @@ class LLMEngine:
 
         self.model = build_model(files, self.dtype, config.device, config.block_size, self.max_model_len + 1,
                                  config.quantization)
-        pack_linears(self.model)      # float linears in oneDNN's layout on CPU (model/layers.py)
-        if config.device == "cpu" and self.dtype == torch.float32:   # float copies for big batches, if they fit
-            enable_float_cache(self.model, int(available_memory(config.device) * FLOAT_CACHE_SHARE))
+        self._choose_kernels(kv_dtype, num_blocks * block_bytes)
         del files
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -116,6 +165,38 @@ class LLMEngine:
         # AsyncEngine picking a thread count for the step's size.
         self.before_execute = None
         self.errors: dict[str, str] = {}      # request id -> why it failed, until its output is returned
+        # lowers torch's thread count while other processes take cores (engine/threads.py)
+        self.thread_controller = (ThreadController(torch.get_num_threads(), cores_free=free_cores)
+                                  if config.adaptive_threads and config.device == "cpu" and torch.get_num_threads() > 1
+                                  else None)
+
+    def _choose_kernels(self, kv_dtype: torch.dtype, kv_bytes: int) -> None:
+        """Every linear's kernels (the measured table) and the attention backend, once."""
+        config, model = self.config, self.model
+        pack_linears(model)           # float linears behind the kernel seam (model/layers.py)
+        float_budget = 0              # float copies of quantized weights, where the table says they pay,
+        if config.enable_float_cache and config.device == "cpu" and self.dtype == torch.float32:
+            avail = available_memory(config.device)   # in what the KV pool leaves of their joint share
+            float_budget = max(0, min(int(avail * FLOAT_CACHE_SHARE),
+                                      int(avail * (FLOAT_CACHE_SHARE + DEFAULT_KV_SHARE)) - kv_bytes))
+        self.kernel_report = select_kernels(
+            model, max_rows=config.max_num_batched_tokens, head_max_rows=config.max_num_seqs, head=model.lm_head,
+            autotune=config.kernel_autotune and config.device == "cpu", dtype=self.dtype,
+            force=KERNEL_ALIASES.get(config.linear_kernel, config.linear_kernel), float_copy_budget=float_budget,
+            stack_rows=config.fused_decode_max_tokens if config.enable_fused_decode else 0)
+        release_float_weights(model)
+        model.set_attention_backend(model.default_backend(
+            config.attention_backend, kv_dtype, fused_decode=config.enable_fused_decode,
+            fused_max_tokens=config.fused_decode_max_tokens))
+        r = self.kernel_report
+        log.info("kernels: attention %s; linears %s%s", model.attention_backend.name,
+                 "; ".join(f"{k} x{r.layers[k]}: {v}" for k, v in r.plans.items()),
+                 f" (measured in {r.measured_s:.1f} s)" if r.measured_s else "")
+        self.memory = memory_breakdown(model, r.float_copy_bytes, kv_bytes)
+        m = self.memory
+        log.info("memory: KV pool %.0f MiB (%d tokens, %s), weights %.0f MiB, float copies of quantized weights "
+                 "%.0f MiB", kv_bytes / 2**20, kv_bytes // self.kv_bytes_per_token, self.kv_sized_from,
+                 m["weights"] / 2**20, m["float_copies"] / 2**20)
 
     # -- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -199,10 +280,13 @@ class LLMEngine:
                 seq.scheduled_time = now
         if self.before_execute is not None:
             self.before_execute(sum(batch.num_new_tokens))
+        t_run = time.perf_counter()
         step = self.runner.prepare(batch)
         logits = self.runner.execute(step)
         rows = [SampleRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in step.sampling_seqs]
         sampled = self.sampler(logits, rows) if rows else []
+        if self.thread_controller is not None:
+            self.thread_controller.observe(sum(batch.num_new_tokens), time.perf_counter() - t_run)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
@@ -278,4 +362,4 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage(), bm.num_blocks,
                            bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
-                           self.prompt_tokens_total, self.generation_tokens_total)
+                           self.prompt_tokens_total, self.generation_tokens_total, torch.get_num_threads())

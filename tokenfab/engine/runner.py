@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenfab.engine.scheduler import ScheduledBatch
@@ -24,15 +25,26 @@ class StepInput:
     sampling_seqs: list[Sequence]   # the sequences that get a new token, in logits row order
 
 
+def reserve_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A zero tensor whose CPU pages become resident only when first written: numpy's zeros is calloc,
+    which maps fresh zero pages for big sizes, where torch.zeros writes every byte up front. A KV pool
+    sized for max_num_seqs full-length sequences then costs RSS only for the blocks in use."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = torch.tensor([], dtype=dtype).element_size()
+    raw = np.zeros(shape + (nbytes,), dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str):
         """kv_dtype torch.int8: the int8 KV cache (values plus a float32 scale per token and head)."""
         cfg = model.config
         self.model, self.device, self.block_size = model, device, block_size
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = torch.zeros(shape, dtype=kv_dtype, device=device)
+        self.kv = reserve_zeros(shape, kv_dtype, device)
         if kv_dtype == torch.int8:
-            self.kv_scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+            self.kv_scales = reserve_zeros(shape[:-1], torch.float32, device)
             compute = model.embed_tokens.weight.dtype
             self.kv_caches = [tuple(Int8KVCache(self.kv[i, j], self.kv_scales[i, j], compute) for j in (0, 1))
                               for i in range(cfg.num_layers)]

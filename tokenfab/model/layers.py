@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: RMSNorm and rotary embeddings.
+"""Building blocks of the decoder: RMSNorm, rotary embeddings and the float linear.
 
 Both follow the Hugging Face reference arithmetic step for step (norms in float32, RoPE tables in
 float32), because greedy output must match `transformers` token for token.
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenfab import kernels
+from tokenfab.kernels.linear import KernelLinear, onednn_linear, onednn_pack, onednn_supported  # noqa: F401
 
 
 class RMSNorm(nn.Module):
@@ -17,9 +18,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.c_kernel = False          # set once at load by the cpu attention backend (model/backends.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.usable(x):           # one C call (tokenfab/kernels); differs from torch in the last bit
+        if self.c_kernel:               # one C call (tokenfab/kernels); differs from torch in the last bit
             return kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:   # one fused op, bit-identical to the reference below in float32
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -54,57 +56,60 @@ class RotaryEmbedding(nn.Module):
         return x * cos + torch.roll(x, self.half, dims=-1) * sin_signed
 
 
-class PackedLinear(nn.Module):
-    """A float32 `nn.Linear` whose weight is kept in oneDNN's blocked layout (CPU only).
+class FloatLinear(KernelLinear):
+    """A float `nn.Linear` behind the kernel seam (weight format "float"): oneDNN's prepacked GEMM on
+    CPU float32 (tokenfab/kernels/linear.py), F.linear elsewhere, chosen once at load.
 
-    torch's default CPU GEMM (MKL) is slow on skinny and very wide matrices on non-Intel CPUs; oneDNN's
-    prepacked fp32 GEMM was 1.2-2.3x faster on the decoder's shapes and the LM head on the 2-core AVX2
-    dev machine (benchmarks/offline_throughput.py). Same float32 arithmetic, another summation order.
-    `weight` stays readable (tied embeddings share it); the packed copy is what forward uses.
-    """
+    `weight` stays readable until a plan that doesn't need it is installed; `release_float_weights`
+    then drops the plain copy of weights no other module shares (tied embeddings keep theirs)."""
+    weight_format = "float"
 
     def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear.in_features, linear.out_features)
         self.weight = linear.weight
         self.bias = linear.bias
-        self.packed = onednn_pack(linear.weight.detach())
+        self.compute_dtype = linear.weight.dtype
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        return onednn_linear(x.reshape(-1, self.in_features), self.packed, self.bias).reshape(*lead, self.out_features)
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.weight.to(dtype)
 
+    def shape_key(self) -> str:
+        return f"float-{str(self.compute_dtype).removeprefix('torch.')}:{self.out_features}x{self.in_features}"
 
-def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
-    """A float [out, in] weight in oneDNN's blocked layout (machine-specific: never saved)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), None)
-
-
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, in] float32 @ a weight from `onednn_pack`, plus bias: [T, out]."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    def _apply(self, fn, recurse=True):
+        # the plan holds a packed copy of the weight: rebuild it only when the weight is still here
+        return nn.Module._apply(self, fn, recurse) if self.weight is None else super()._apply(fn, recurse)
 
 
-def packed_linear_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
-    return (torch.device(device).type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+PackedLinear = FloatLinear          # the name before the kernel seam
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap every float32 `nn.Linear` of a CPU model for a `PackedLinear`, in place; returns how many.
+    """Swap every `nn.Linear` of a model for a `FloatLinear`, in place; returns how many.
 
-    For the engine's forward only: offline tools (quantization, evaluation) look for `nn.Linear`s. A
-    linear whose weight no other module shares gives its plain copy up (the packed one replaces it).
-    """
-    shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    For the engine's forward only: offline tools (quantization, evaluation) look for `nn.Linear`s."""
     n = 0
     for name, mod in list(model.named_modules()):
-        if type(mod) is not nn.Linear or not packed_linear_supported(mod.weight.device, mod.weight.dtype):
+        if type(mod) is not nn.Linear:
             continue
-        packed = PackedLinear(mod)
-        if id(mod.weight) not in shared:
-            packed.weight = None
         parent_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, packed)
+        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, FloatLinear(mod))
         n += 1
     return n
+
+
+def release_float_weights(model: nn.Module) -> int:
+    """Drop the plain weight of FloatLinears whose plan keeps its own copy (oneDNN's layout) and
+    whose weight no other module shares; returns the bytes freed. Call after the plans are in."""
+    shared = {id(p) for m in model.modules() if not isinstance(m, FloatLinear) for p in m.parameters(recurse=False)}
+    freed = 0
+    for m in model.modules():
+        if (isinstance(m, FloatLinear) and m.weight is not None and m.plan is not None
+                and id(m.weight) not in shared and all(c.kernel.name == "onednn" for c in m.plan.choices)):
+            freed += m.weight.numel() * m.weight.element_size()
+            m.weight = None
+    return freed
+
+
+def packed_linear_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
+    return onednn_supported(device, dtype)

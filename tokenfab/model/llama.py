@@ -3,7 +3,10 @@
 It runs a flat batch: `input_ids` and `positions` concatenated over all sequences of a step, with the
 attention layout in an `AttentionMetadata` passed in by the runner. Projections are plain `nn.Linear`
 modules (Q/K/V fused into `qkv_proj`, gate/up into `gate_up_proj`: fewer, larger matmuls per step),
-so tokenfab.quant can swap them for quantized ones by name.
+so tokenfab.quant can swap them for quantized ones by name. Which kernels run the linears and the
+attention is chosen once at load, behind two seams below this module: `tokenfab.kernels.linear`
+(each linear's plan) and `tokenfab.model.backends` (the attention backend). The model imports no
+quantization code; tokenfab.quant.load builds quantized models on top of it.
 """
 from __future__ import annotations
 
@@ -27,39 +30,19 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = TorchPagedAttention(self.h, self.kvh, self.d, block_size)
+        self.backend = None                 # the model's AttentionBackend (model/backends.py), set at load
 
     def forward(self, x, rope: RotaryEmbedding, rope_tables, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        if (self.d <= kernels.MAX_HEAD_DIM and meta.positions is not None and isinstance(kv[0], torch.Tensor)
-                and kernels.usable(qkv, kv[0])):
-            return self.o_proj(self._fused(qkv.contiguous(), rope, kv, meta).reshape(T, self.q_size))
-        v = qkv[:, self.q_size + self.kv_size:].view(T, self.kvh, self.d)
-        if self.q_norm is None:
-            # q and k sit side by side in each row: rotate them in one go.
-            qk = rope.apply(qkv[:, :self.q_size + self.kv_size].view(T, self.h + self.kvh, self.d), rope_tables)
-            q, k = qk[:, :self.h], qk[:, self.h:]
-        else:
-            q = self.q_norm(qkv[:, :self.q_size].view(T, self.h, self.d))
-            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.kvh, self.d))
-            q, k = rope.apply(q, rope_tables), rope.apply(k, rope_tables)
-        o = self.attn(q, k, v, kv[0], kv[1], meta)
-        return self.o_proj(o.reshape(T, self.q_size))
-
-    def _fused(self, qkv: torch.Tensor, rope: RotaryEmbedding, kv, meta: AttentionMetadata) -> torch.Tensor:
-        """The CPU kernels' path: RoPE and the KV write in one call, on the qkv rows in place."""
-        T = qkv.shape[0]
         if self.q_norm is not None:
+            qkv = qkv.contiguous()
             qkv[:, :self.q_size] = self.q_norm(qkv[:, :self.q_size].view(T, self.h, self.d)).view(T, -1)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.kvh, self.d)
             qkv[:, self.q_size:self.q_size + self.kv_size] = self.k_norm(k).view(T, -1)
-        kernels.rope_write_kv(qkv, self.h, self.kvh, self.d, meta.positions, rope.cos, rope.sin_signed,
-                              kv[0], kv[1], meta.slot_mapping)
-        q = qkv[:, :self.q_size].view(T, self.h, self.d)
-        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.kvh, self.d)
-        v = qkv[:, self.q_size + self.kv_size:].view(T, self.kvh, self.d)
-        return self.attn.attend(q, k, v, kv[0], kv[1], meta)
+        o = self.backend.attention(self, qkv, rope, rope_tables, kv, meta)
+        return self.o_proj(o.reshape(T, self.q_size))
 
 
 class MLP(nn.Module):
@@ -68,10 +51,11 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.c_kernel = False               # C SiLU-and-multiply; set once at load by the cpu backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if kernels.usable(gate_up):
+        if self.c_kernel:
             return self.down_proj(kernels.silu_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -100,68 +84,36 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
         self.requires_grad_(False)
-        self.fused_decode = True           # one C call for the whole stack on small decode steps, where it can
-        self._fused: tuple | None = None   # (KV pools' address, ctypes layers) once built; () if it can't
+        self.attention_backend = None      # chosen once at load: set_attention_backend
+
+    def set_attention_backend(self, backend) -> None:
+        """Install an AttentionBackend (model/backends.py) in every layer, once, at load."""
+        self.attention_backend = backend
+        for layer in self.layers:
+            layer.self_attn.backend = backend
+        backend.install(self)
+
+    def default_backend(self, name: str = "auto", kv_dtype: torch.dtype | None = None, **opts):
+        from tokenfab.model.backends import make_attention_backend
+        cfg, w = self.config, self.embed_tokens.weight
+        attn = self.layers[0].self_attn.attn
+        return make_attention_backend(name, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                      head_dim=cfg.head_dim, block_size=attn.block_size, device=w.device.type,
+                                      dtype=w.dtype, kv_dtype=kv_dtype or w.dtype, **opts)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """Returns float32 logits for the tokens at `logits_indices` only (one per sampled sequence)."""
         x = self.embed_tokens(input_ids)
-        layers = self._fused_layers(x, kv_caches, meta)
-        if layers is not None:
-            cfg, attn = self.config, self.layers[0].self_attn.attn
-            x = x.contiguous()
-            kernels.decode_layers(x, layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                  cfg.intermediate_size, self.norm.eps, meta.positions, self.rope.cos,
-                                  self.rope.sin_signed, meta.slot_mapping, meta.decode_block_tables,
-                                  meta.decode_context_lens, attn.block_size, attn.scale)
-        else:
+        if self.attention_backend is None:          # built by hand, not loaded: the automatic choice, once
+            self.set_attention_backend(self.default_backend())
+        if not self.attention_backend.run_stack(self, x, kv_caches, meta):   # the cpu backend's one-call decode
             tables = self.rope.tables(positions, x.dtype)
             for layer, kv in zip(self.layers, kv_caches):
                 x = layer(x, self.rope, tables, kv, meta)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
-
-    def _fused_layers(self, x: torch.Tensor, kv_caches, meta: AttentionMetadata):
-        """The ctypes layer table for kernels.decode_layers when this step can take that path: CPU
-        float32, decodes only, at most QGEMM_MAX_ROWS of them, and every layer a plain pre-norm block
-        whose four linears have tf_qgemm layouts (no bias, no q/k norm, no input scale); else None.
-        The same kernels the per-layer path calls, in the same order: the same logits."""
-        if (not self.fused_decode or meta.prefills or meta.positions is None or self._fused == ()
-                or x.shape[0] > kernels.QGEMM_MAX_ROWS or not kernels.usable(x)):
-            return None
-        key = kv_caches[0][0].data_ptr() if isinstance(kv_caches[0][0], torch.Tensor) else None
-        if self._fused is None or self._fused[0] != key:
-            self._fused = self._build_fused(kv_caches) or ()
-        return self._fused[1] if self._fused else None
-
-    def _build_fused(self, kv_caches) -> tuple | None:
-        cfg = self.config
-        if cfg.qk_norm or cfg.qkv_bias or cfg.head_dim > kernels.MAX_HEAD_DIM or cfg.head_dim % 2:
-            return None
-        table = (kernels.Layer * len(self.layers))()
-        keep = []                          # the layouts' tensors: the table holds their addresses
-        for entry, layer, (k_cache, v_cache) in zip(table, self.layers, kv_caches):
-            if not (isinstance(k_cache, torch.Tensor) and kernels.usable(k_cache, v_cache)):
-                return None
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(n.eps != self.norm.eps or not kernels.usable(n.weight) for n in norms):
-                return None
-            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            layouts = []
-            for lin in linears:
-                layout = lin.qgemm_layout() if hasattr(lin, "qgemm_layout") else None
-                if (layout is None or lin.kernel not in ("auto", "cpu") or lin.bias is not None
-                        or getattr(lin, "input_scale", None) is not None
-                        or layout[0].shape[1] * (2 if layout[4] == 4 else 1) != lin.in_features):
-                    return None
-                layouts.append(kernels.QLinear.of(layout))
-                keep.append(layout)
-            entry.ln1, entry.ln2 = norms[0].weight.data_ptr(), norms[1].weight.data_ptr()
-            entry.qkv, entry.o, entry.gate_up, entry.down = layouts
-            entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-        return kv_caches[0][0].data_ptr(), table, keep
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up. Missing or misshapen tensors are errors."""
@@ -202,43 +154,6 @@ class LlamaModel(nn.Module):
             put(layer.mlp.down_proj, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
             put(layer.input_layernorm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
             put(layer.post_attention_layernorm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
-
-
-def build_model(loaded, dtype: torch.dtype, device: str, block_size: int, max_positions: int,
-                quantization: str = "auto") -> LlamaModel:
-    """Build on the meta device (no wasted random init), move the real weights in, then swap in
-    quantized layers as asked (see tokenfab.model.quantize)."""
-    from tokenfab.model.quantize import apply_quantization
-    from tokenfab.quant.checkpoint import apply_checkpoint, is_quantized_checkpoint
-
-    cfg = loaded.config
-    with torch.device("meta"):
-        model = LlamaModel(cfg, block_size, max_positions=1)
-    model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
-    if is_quantized_checkpoint(loaded.path):     # written by `tokenfab quant`: our own layer names
-        if quantization not in ("auto", "none"):
-            raise ValueError(f"{loaded.path} is already quantized; leave quantization unset")
-        if cfg.tie_word_embeddings:      # tie before loading, so apply_checkpoint keeps one copy
-            model.lm_head.weight = model.embed_tokens.weight
-        apply_checkpoint(model, loaded.path)
-        _cast_float_parameters(model, dtype)
-    else:
-        model.load_hf_weights(loaded.weights, dtype)
-        apply_quantization(model, loaded, quantization)
-    return model.to(device)
-
-
-def _cast_float_parameters(model: nn.Module, dtype: torch.dtype) -> None:
-    """Float parameters outside the quantized linears to the compute dtype (checkpoints store
-    float32), in place so that tied parameters stay tied; quantized layers keep their scales."""
-    from tokenfab.quant.linear import QuantLinear
-
-    for mod in model.modules():
-        if isinstance(mod, QuantLinear):
-            continue
-        for p in mod.parameters(recurse=False):
-            if p.is_floating_point() and p.dtype != dtype:
-                p.data = p.data.to(dtype)
 
 
 @torch.inference_mode()

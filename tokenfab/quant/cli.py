@@ -55,7 +55,7 @@ def _eval_args(e) -> None:
                    "written by `tokenfab quant`")
     e.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default=None,
                    help="int8: the candidate attends over the int8 KV cache (default: auto, float)")
-    e.add_argument("--kernel", choices=("auto", "packed", "dequant"), default=None,
+    e.add_argument("--kernel", choices=("auto", "qgemm", "packed", "float", "dequant"), default=None,
                    help="quantized layers' path: auto (by token count; whole windows dequantize, so the numbers "
                         "are the weights' error), packed (torch's packed CPU kernels, bf16 activations) or "
                         "dequant. Decode's C kernel computes in float32, as dequant does")

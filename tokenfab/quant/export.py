@@ -50,7 +50,7 @@ def hf_config_dict(cfg) -> dict:
 
 def build_float_model(files, max_positions: int, quantization: str = "none"):
     """The engine's decoder for already-read model files, float32 on the CPU, for offline tools."""
-    from tokenfab.model.llama import build_model
+    from tokenfab.quant.load import build_model
     return build_model(files, torch.float32, "cpu", 16, max_positions, quantization)
 
 

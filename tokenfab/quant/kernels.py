@@ -1,23 +1,17 @@
-"""The matmuls behind quantized linears, and the rule that picks one per call.
+"""The quantized formats' kernels, registered with the linear-kernel seam (tokenfab/kernels/linear.py).
 
-Four paths compute the same thing:
-- **cpu**: tokenfab's C kernel (tokenfab/kernels/cpu.c, `tf_qgemm`): reads int4 / int8 / Q8_0 blocks
+Four ways compute a quantized linear; which one runs which row count is decided once at load by the
+measured table (tokenfab/kernels/tuning.py), not here:
+- **qgemm**: tokenfab's C kernel (tokenfab/kernels/cpu.c, `tf_qgemm`): reads int4 / int8 / Q8_0 blocks
   directly, activations as int16 per block of 32 (relative error ~2^-16: KL 3e-7 against float on the
-  bundled model, where bf16 activations give 1e-3), for up to QGEMM_MAX_ROWS (16) rows: decode steps of small batches.
-- **float cache**: a dequantized float32 copy of the weight in oneDNN's layout, kept when the engine's
-  memory budget allows (`QuantLinear.float_cache`): the fastest path for big batches and prefill.
+  bundled model, where bf16 activations give 1e-3). 8 rows per pass over the weight: decode steps.
 - **packed**: torch's CPU weight-only kernels, `_weight_int8pack_mm` (int8, one scale per output
-  channel) and `_weight_int4pack_mm_for_cpu` (int4 in groups, w = (q - 8) * scale + zero). They read
-  the quantized bytes directly, so they win when decode is bound by weight bandwidth (few tokens).
-  On this AVX2 machine they are only fast with bfloat16 activations and scales (float32 inputs were
-  5-10x slower than F.linear), so activations are rounded to bf16 on the way in.
-- **dequant**: expand the weight to the activation dtype, then one F.linear. Expanding costs a pass
-  over the weight per call, which a GEMM over many tokens amortizes; it is also the path for CUDA and
-  for shapes the packed kernels reject, and the exact reference in tests.
-
-`auto` takes the cpu path up to `QGEMM_MAX_ROWS` rows, else the packed path up to
-`packed_max_tokens(kind, weight size)` tokens, else the float cache or dequant. The numbers come from
-benchmarks/quant_kernels.py (table in docs/quant.md) and engine runs (docs/architecture.md).
+  channel) and `_weight_int4pack_mm_for_cpu` (int4 in groups, w = (q - 8) * scale + zero; Q8_0 as two
+  int4 halves). They read the quantized bytes directly; activations are rounded to bf16 on the way in
+  (float32 inputs were 5-10x slower on the AVX2 dev machine).
+- **float** (tokenfab/kernels/linear.py): a dequantized float32 oneDNN copy, kept where it pays.
+- **dequant** (tokenfab/kernels/linear.py): expand, then F.linear; the exact reference.
+- **w8a8**: FBGEMM's int8 GEMM with int8 activations, for the "w8a8" scheme only.
 """
 from __future__ import annotations
 
@@ -27,75 +21,93 @@ import torch
 import torch.nn.functional as F
 
 from tokenfab import kernels as cpu_kernels
-from tokenfab.model.layers import packed_linear_supported
+from tokenfab.kernels.linear import register
 
-KERNELS = ("auto", "cpu", "packed", "dequant")
-
-# Largest token count (rows of x) at which the packed kernel still beat dequantize + F.linear, per
-# weight layout. Measured by benchmarks/quant_kernels.py on the 2-core AVX2 dev machine (1 thread,
-# weights streamed from memory; table in docs/quant.md):
-# - int4: packed won at 1, 8 and 32 tokens on every shape (dequant's nibble unpacking is costly);
-# - int8: packed won at 1 and 8 tokens, dequant at 32 on most shapes;
-# - q8_0: packed (two int4 halves) won at 1 token; dequant from 8 on, except on large matrices.
-PACKED_MAX_TOKENS: dict[str, int] = {"int8": 8, "int4": 32, "q8_0": 1}
-# Large matrices (the 49152x576 LM head) favoured packed at every measured count for all layouts:
-# expanding 28M weights per call costs more than the GEMM it feeds.
-LARGE_WEIGHT_NUMEL = 8 << 20
-LARGE_PACKED_MAX_TOKENS = 32
+KERNEL_ALIASES = {"cpu": "qgemm"}     # the C kernel's name before the registry (CLI --kernel cpu)
+KERNELS = ("auto", "qgemm", "cpu", "packed", "float", "dequant")   # what `quant eval --kernel` offers
 
 
-def _has_op(name: str) -> bool:
-    return hasattr(torch.ops.aten, name)
+def _on_cpu(layer) -> bool:
+    for t in layer.buffers():
+        return t.device.type == "cpu"
+    return True
+
+
+class QGemm:
+    """tf_qgemm (tokenfab/kernels/cpu.c): AVX2 FMA over the stored blocks, int16 activation blocks."""
+    name, formats, tune_max_rows, float_copy = "qgemm", ("int8", "int4", "q8_0"), 64, False
+    rank, lossy = 0, False
+
+    def supports(self, layer):
+        if not cpu_kernels.enabled():
+            return "tokenfab's C kernels are not built (no C compiler, a failed build or TOKENFAB_CPU_KERNELS=0)"
+        if not _on_cpu(layer) or layer.compute_dtype != torch.float32:
+            return "it takes float32 activations on the CPU"
+        if layer.in_features % 32 or layer.cpu_layout() is None:
+            return "the weight has no tf_qgemm layout (input width or group size not a multiple of 32)"
+        return None
+
+    def prepare(self, layer):
+        return layer.cpu_layout()
+
+    def run(self, state, x, layer):
+        if x.dtype is not torch.float32:      # a plan made for float32 fed another dtype (offline tools)
+            return self.run(state, x.float(), layer).to(x.dtype)
+        q, d, m, gs, bits = state
+        if x.shape[1] != q.shape[1] * (2 if bits == 4 else 1):          # int4 rows padded to whole groups
+            x = F.pad(x, (0, q.shape[1] * 2 - x.shape[1]))
+        return cpu_kernels.qgemm(x, q, d, m, gs, bits, layer.out_features)
+
+
+class Packed:
+    """torch's weight-only packed CPU kernels (bf16 activations)."""
+    name, formats, tune_max_rows, float_copy = "packed", ("int8", "int4", "q8_0"), 64, False
+    rank, lossy = 2, True
+
+    def supports(self, layer):
+        if not _on_cpu(layer):
+            return "torch's packed kernels are CPU-only"
+        return None if layer.packed_supported() else "torch lacks the op or rejects this shape / group size"
+
+    def prepare(self, layer):
+        return layer.build_packed()
+
+    def run(self, state, x, layer):
+        return layer.packed_matmul(state, x)
+
+
+class W8A8:
+    """FBGEMM's dynamic int8 GEMM: int8 weights per channel, int8 activations per row."""
+    name, formats, tune_max_rows, float_copy = "w8a8", ("w8a8",), None, False
+    rank, lossy = 0, False
+
+    def supports(self, layer):
+        if not _on_cpu(layer) or "fbgemm" not in torch.backends.quantized.supported_engines \
+                or not hasattr(torch.ops.quantized, "linear_dynamic"):
+            return "needs torch's FBGEMM (x86 CPU)"
+        return None
+
+    def prepare(self, layer):
+        return w8a8_pack(layer.qweight, layer.scales)
+
+    def run(self, state, x, layer):
+        return w8a8_linear(x, state).to(x.dtype)
+
+
+for _k in (QGemm(), Packed(), W8A8()):
+    register(_k)
 
 
 def int8pack_supported(out_features: int, in_features: int) -> bool:
     # _weight_int8pack_mm crashed (SIGSEGV, torch 2.13 CPU) for in_features 7 and 33; multiples of 8
     # worked. Multiples of 32 keep a margin.
-    return _has_op("_weight_int8pack_mm") and in_features % 32 == 0
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm") and in_features % 32 == 0
 
 
 def int4pack_supported(out_features: int, padded_in: int, group_size: int) -> bool:
     # The packing op requires N % 16 == 0; the matmul requires these group sizes and K % group == 0.
-    return (_has_op("_weight_int4pack_mm_for_cpu") and out_features % 16 == 0
+    return (hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and out_features % 16 == 0
             and group_size in (32, 64, 128, 256) and padded_in % group_size == 0)
-
-
-# With a cached float weight (QuantLinear.float_cache) the alternative is oneDNN's prepacked float32
-# GEMM, not expand-then-GEMM, so the packed kernels stop paying off sooner: on the dev machine the int4
-# kernel lost to it from 8 rows on the decoder's shapes and from 16 rows on the LM head.
-CACHED_PACKED_MAX_TOKENS = 4
-CACHED_LARGE_PACKED_MAX_TOKENS = 8
-
-
-def packed_max_tokens(kind: str, weight_numel: int, float_cached: bool = False) -> int:
-    if float_cached:
-        return CACHED_LARGE_PACKED_MAX_TOKENS if weight_numel >= LARGE_WEIGHT_NUMEL else CACHED_PACKED_MAX_TOKENS
-    limit = PACKED_MAX_TOKENS[kind]
-    return max(limit, LARGE_PACKED_MAX_TOKENS) if weight_numel >= LARGE_WEIGHT_NUMEL else limit
-
-
-def use_packed(kind: str, kernel: str, x: torch.Tensor, supported: bool, weight_numel: int = 0,
-               float_cached: bool = False) -> bool:
-    """Packed or not for one call the cpu path declined; `kernel` is the module's setting."""
-    if kernel == "dequant":
-        return False
-    if kernel == "packed":
-        if not supported or x.device.type != "cpu":
-            raise ValueError(f"kernel='packed' is not available for this {kind} layer on {x.device.type} "
-                             "(packed kernels are CPU-only and shape-restricted); use 'auto' or 'dequant'")
-        return True
-    return supported and x.device.type == "cpu" and x.shape[0] <= packed_max_tokens(kind, weight_numel, float_cached)
-
-
-def use_cpu_kernel(x: torch.Tensor) -> bool:
-    """tokenfab's C kernel takes every call it can (up to QGEMM_MAX_ROWS rows): on the dev machine it
-    beat torch's packed kernels at 1 row and the cached float GEMM up to 8 rows, in the engine."""
-    return x.shape[0] <= cpu_kernels.QGEMM_MAX_ROWS
-
-
-def float_cache_usable(x: torch.Tensor) -> bool:
-    """A cached float weight serves float32 CPU inputs (the oneDNN prepacked GEMM of model/layers.py)."""
-    return packed_linear_supported(x.device, x.dtype)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -135,11 +147,6 @@ def int8pack_linear(x: torch.Tensor, q: torch.Tensor, scales_bf16: torch.Tensor)
 # range to exactly [-1, 1]: the quantization parameters are then the same for every batch, each row is
 # effectively quantized with its own scale, the integer GEMM is exact, and the output row is multiplied
 # back by that max. A token's result is the same alone or in any batch.
-
-def w8a8_supported(x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines
-            and hasattr(torch.ops.quantized, "linear_dynamic"))
-
 
 def w8a8_pack(qweight: torch.Tensor, scales: torch.Tensor):
     """int8 [out, in] and float scales [out] -> FBGEMM's packed weight (machine-specific, never saved)."""

@@ -9,9 +9,10 @@
   scales, so the packed path splits each int8 q into two nibbles, q = 16 * hi + lo, and runs both
   halves through the int4 kernel at once (scale 16 d for hi, scale d for lo): exact, and 1 byte/weight.
 
-Each module keeps its weights in a portable form (buffers, saved in checkpoints) and builds the
-packed layout of the CPU kernels lazily, on first use. `kernel` picks the path: "auto" (by
-measurement, see kernels.py), "packed" or "dequant" (expand, then F.linear; exact reference).
+Each module keeps its weights in a portable form (buffers, saved in checkpoints). Which kernel runs
+them is not decided here: the engine installs a plan per layer at load (tokenfab/kernels/linear.py,
+the measured table in tokenfab/kernels/tuning.py); `kernel = "dequant"` (or any registered name)
+forces one, and a layer built by hand gets the default rules on its first call.
 """
 from __future__ import annotations
 
@@ -19,100 +20,64 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from tokenfab import kernels as cpu_kernels
-from tokenfab.model.layers import onednn_linear, onednn_pack
+from tokenfab.kernels.linear import KernelLinear, forced_plan
+from tokenfab.kernels.tuning import default_plan
 from tokenfab.quant import gguf_blocks, kernels
+from tokenfab.quant.kernels import KERNEL_ALIASES
 from tokenfab.quant.schemes import (dequantize_int4, dequantize_int8, pack_nibbles, padded_in_features,
                                     quantize_int4, quantize_int8, unpack_nibbles)
 
 
-class QuantLinear(nn.Module):
-    """Base class: bias handling, shape handling, kernel choice and the packed-weight cache."""
-    kind: ClassVar[str]          # key into kernels.PACKED_MAX_TOKENS
+class QuantLinear(KernelLinear):
+    """Base class: bias and the portable weight form; the kernels that run it are chosen at load
+    (tokenfab/kernels/linear.py, tuning.py). Subclasses implement `dequantize` and, where a kernel
+    can read their bytes directly, `cpu_layout` (tf_qgemm) and `packed_supported` / `build_packed` /
+    `packed_matmul` (torch's packed kernels)."""
+    weight_format: ClassVar[str]          # "int8" | "int4" | "q8_0" | "w8a8": the registry's format key
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.kernel = "auto"
-        self._packed: tuple | None = None
-        # float_cache: keep the dequantized weight (float32, oneDNN layout) for calls above the packed
-        # kernels' token limit, instead of expanding the weight on every call. Costs the float weight's
-        # memory; the engine turns it on when that fits its budget (engine.py).
-        self.float_cache = False
-        self._float: torch.Tensor | None = None
-        self._cpu: tuple | None = None          # the layout of tokenfab's C kernel (cpu_layout)
+        super().__init__(in_features, out_features)
         if bias is not None:
             self.bias = nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         else:
             self.register_parameter("bias", None)
 
-    # subclasses implement these three
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight this layer computes with, [out, in], as `nn.Linear.weight` would hold it."""
-        raise NotImplementedError
+    @property
+    def kind(self) -> str:
+        return self.weight_format
+
+    @property
+    def kernel(self) -> str:
+        """The kernel(s) this layer runs, e.g. "qgemm 1-16, float 17+"; "auto" before a plan exists."""
+        return "auto" if self.plan is None else ", ".join(n for _, n in self.plan.names())
+
+    @kernel.setter
+    def kernel(self, name: str) -> None:
+        """Force one kernel for every row count ("auto": back to the default rules). The old path names
+        are accepted: "cpu" is tf_qgemm ("qgemm"). ValueError when it cannot run this layer."""
+        name = KERNEL_ALIASES.get(name, name)
+        self.plan = default_plan(self) if name == "auto" else forced_plan(self, name)
 
     def packed_supported(self) -> bool:
+        return False
+
+    def build_packed(self):
         raise NotImplementedError
 
-    def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def packed_matmul(self, state, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
-
-    def _prepare_input(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def _float_weight(self) -> torch.Tensor:
-        """The float_cache copy, built on first use."""
-        if self._float is None:
-            self._float = onednn_pack(self.dequantize(torch.float32))
-        return self._float
 
     # tokenfab's C kernel (tokenfab/kernels): reads the quantized weight directly, activations as int16
-    # blocks, for up to QGEMM_MAX_ROWS rows. Subclasses that support it return its layout here.
+    # blocks. Subclasses that support it return its layout here.
     def cpu_layout(self) -> tuple | None:
         """(q, d, m, group_size, bits) for kernels.qgemm, or None."""
         return None
 
     def qgemm_layout(self) -> tuple | None:
-        """cpu_layout(), built once; None when this layer has none or its input is not in 32-blocks."""
-        if self._cpu is None:
-            self._cpu = (self.cpu_layout() if self.in_features % 32 == 0 else None) or ()
-        return self._cpu or None
-
-    def _cpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
-        if x.shape[0] > cpu_kernels.QGEMM_MAX_ROWS or not cpu_kernels.usable(x) or self.qgemm_layout() is None:
-            return None
-        q, d, m, gs, bits = self._cpu
-        if x.shape[1] != q.shape[1] * (2 if bits == 4 else 1):          # int4 rows padded to whole groups
-            x = F.pad(x, (0, q.shape[1] * 2 - x.shape[1]))
-        return cpu_kernels.qgemm(x, q, d, m, gs, bits, self.out_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = self._prepare_input(x.reshape(-1, self.in_features))
-        y = None
-        if self.kernel == "cpu" or (self.kernel == "auto" and kernels.use_cpu_kernel(x2)):
-            y = self._cpu_matmul(x2)
-            if y is None and self.kernel == "cpu":
-                raise ValueError(f"kernel='cpu' is not available for this {self.kind} layer with {x2.shape[0]} rows "
-                                 f"on {x2.device.type} (tokenfab's C kernel: CPU, float32, up to "
-                                 f"{cpu_kernels.QGEMM_MAX_ROWS} rows); use 'auto'")
-        cached = y is None and self.float_cache and kernels.float_cache_usable(x2)
-        if y is not None:
-            if self.bias is not None:
-                y = y + self.bias
-        elif kernels.use_packed(self.kind, self.kernel, x2, self.packed_supported(),
-                                self.in_features * self.out_features, cached):
-            y = self._packed_matmul(x2)
-            if self.bias is not None:
-                y = y + self.bias.to(y.dtype)
-        elif cached:
-            y = onednn_linear(x2, self._float_weight(), self.bias)
-        else:
-            bias = None if self.bias is None else self.bias.to(x2.dtype)
-            y = F.linear(x2, self.dequantize(x2.dtype), bias)
-        return y.reshape(*lead, self.out_features)
+        """The tf_qgemm layout this layer's plan prepared, when its plan runs qgemm for every row
+        count up to `rows`, there is no bias and no input scale: what the one-call decode stack needs."""
+        return None if self.plan is None else self.plan.state_of("qgemm")
 
     def config(self) -> dict[str, Any]:
         """What a checkpoint needs to rebuild this module before loading its tensors."""
@@ -123,15 +88,6 @@ class QuantLinear(nn.Module):
         """Bytes of the saved weight representation (buffers, bias excluded)."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
-    # the packed layout depends on the buffers and the device: rebuild after either changes
-    def _apply(self, fn, recurse=True):
-        self._packed = self._float = self._cpu = None
-        return super()._apply(fn, recurse)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        self._packed = self._float = self._cpu = None
-        return super()._load_from_state_dict(*args, **kwargs)
-
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, kernel={self.kernel}")
@@ -139,7 +95,7 @@ class QuantLinear(nn.Module):
 
 class Int8Linear(QuantLinear):
     """int8 weights with one symmetric scale per output channel: w = q * scale[row]."""
-    kind = "int8"
+    weight_format = "int8"
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(qweight.shape[1], qweight.shape[0], bias)
@@ -166,10 +122,11 @@ class Int8Linear(QuantLinear):
         return (self.qweight.contiguous(), self.scales[:, None].contiguous(), None, self.in_features, 8) \
             if self.in_features % 32 == 0 else None
 
-    def _packed_matmul(self, x):
-        if self._packed is None:
-            self._packed = (self.scales.to(torch.bfloat16),)
-        return kernels.int8pack_linear(x, self.qweight, self._packed[0])
+    def build_packed(self):
+        return self.scales.to(torch.bfloat16)
+
+    def packed_matmul(self, state, x):
+        return kernels.int8pack_linear(x, self.qweight, state)
 
 
 class W8A8Linear(Int8Linear):
@@ -177,18 +134,7 @@ class W8A8Linear(Int8Linear):
     the fly: the matmul runs in integers through FBGEMM (`kernels.w8a8_linear`), several times faster
     than a float GEMM on CPUs without bf16 units. Where FBGEMM is missing (CUDA, other CPUs) it runs
     as `Int8Linear`, weights-only."""
-    kind = "w8a8"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "dequant" or not kernels.w8a8_supported(x):
-            return super().forward(x)
-        if self._packed is None:
-            self._packed = (kernels.w8a8_pack(self.qweight, self.scales),)
-        lead = x.shape[:-1]
-        y = kernels.w8a8_linear(x.reshape(-1, self.in_features), self._packed[0])
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).reshape(*lead, self.out_features)
+    weight_format = "w8a8"
 
 
 class Int4Linear(QuantLinear):
@@ -197,7 +143,7 @@ class Int4Linear(QuantLinear):
     `input_scale` (AWQ) multiplies x per input channel before the matmul; the stored weight was
     scaled by its inverse before quantization, so the float product is unchanged.
     """
-    kind = "int4"
+    weight_format = "int4"
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                  in_features: int, bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None):
@@ -237,8 +183,9 @@ class Int4Linear(QuantLinear):
         """The weight applied to the *scaled* input (x * input_scale), [out, in]."""
         return dequantize_int4(self.unpacked_q(), self.scales, self.zeros, self.group_size, self.in_features, dtype)
 
-    def _prepare_input(self, x):
-        return x if self.input_scale is None else x * self.input_scale.to(x.dtype)
+    @property
+    def input_scale_tensor(self):
+        return self.input_scale
 
     def packed_supported(self):
         return kernels.int4pack_supported(self.out_features, self.padded_in, self.group_size)
@@ -252,10 +199,11 @@ class Int4Linear(QuantLinear):
         packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).contiguous().view(n, kp // 2)
         return packed, self.scales.contiguous(), (self.zeros - 8 * self.scales).contiguous(), self.group_size, 4
 
-    def _packed_matmul(self, x):
-        if self._packed is None:
-            self._packed = (kernels.pack_int4(self.unpacked_q()), kernels.int4_scales_and_zeros(self.scales, self.zeros))
-        packed, sz = self._packed
+    def build_packed(self):
+        return kernels.pack_int4(self.unpacked_q()), kernels.int4_scales_and_zeros(self.scales, self.zeros)
+
+    def packed_matmul(self, state, x):
+        packed, sz = state
         return kernels.int4pack_linear(x, packed, self.group_size, sz, self.padded_in)
 
     def extra_repr(self):
@@ -282,7 +230,7 @@ class Q4_1Linear(Int4Linear):
 
 class Q8_0Linear(QuantLinear):
     """GGUF Q8_0 as shipped: w = d[row, g] * q in blocks of 32 (q int8)."""
-    kind = "q8_0"
+    weight_format = "q8_0"
     group_size = gguf_blocks.BLOCK
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
@@ -317,7 +265,7 @@ class Q8_0Linear(QuantLinear):
     def cpu_layout(self):
         return self.qweight.contiguous(), self.scales.contiguous(), None, self.group_size, 8
 
-    def _build_packed(self):
+    def build_packed(self):
         q = self.qweight.to(torch.int16)
         hi, lo = (q >> 4) + 8, q & 0x0F                    # q = 16 * (hi - 8) + lo, both 0..15
         d = self.scales
@@ -325,10 +273,8 @@ class Q8_0Linear(QuantLinear):
         zeros = torch.cat([torch.zeros_like(d), 8 * d], dim=1)   # lo half: (lo - 8) * d + 8 d = lo * d
         return kernels.pack_int4(torch.cat([hi, lo], dim=1)), kernels.int4_scales_and_zeros(scales, zeros)
 
-    def _packed_matmul(self, x):
-        if self._packed is None:
-            self._packed = self._build_packed()
-        packed, sz = self._packed
+    def packed_matmul(self, state, x):
+        packed, sz = state
         return kernels.int4pack_linear(torch.cat([x, x], dim=1), packed, self.group_size, sz, 2 * self.in_features)
 
     def extra_repr(self):
@@ -359,23 +305,15 @@ def empty_from_config(cfg: dict) -> QuantLinear:
     return cls.empty(cfg)
 
 
-def enable_float_cache(model: nn.Module, max_bytes: int) -> int:
-    """Turn on `float_cache` in every quantized linear if their float32 weights fit in `max_bytes`
-    together (all or none), and build the copies now. Returns the bytes they take (0: off)."""
-    mods = [m for m in model.modules() if isinstance(m, QuantLinear) and not isinstance(m, W8A8Linear)]
-    need = sum(4 * m.in_features * m.out_features for m in mods)
-    on = 0 < need <= max_bytes
-    for m in mods:
-        m.float_cache = on
-        m._float = m._float_weight() if on else None      # built now, not on a first big batch
-    return need if on else 0
-
-
 def set_kernel(model: nn.Module, kernel: str) -> int:
-    """Set the kernel path ("auto" | "cpu" | "packed" | "dequant") on every quantized linear; returns how many."""
-    if kernel not in kernels.KERNELS:
-        raise ValueError(f"kernel must be one of {kernels.KERNELS}, got {kernel!r}")
+    """Force one linear kernel on every quantized linear ("auto": the default rules; "cpu" is an alias
+    of "qgemm"); returns how many. ValueError naming the kernels when the name is unknown or a layer
+    cannot run it."""
+    name = KERNEL_ALIASES.get(kernel, kernel)
+    if name != "auto":
+        from tokenfab.kernels.linear import get
+        get(name)
     mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
     for m in mods:
-        m.kernel = kernel
+        m.kernel = name
     return len(mods)

@@ -1,4 +1,4 @@
-"""Weight quantization at load time: which quantized layers replace the decoder's float linears.
+"""Building a model with its weights as asked: which quantized layers replace the decoder's float linears.
 
 `quantization` (EngineConfig / --quantization):
 - "auto" (default): a GGUF file's blocks run as shipped ("gguf"); float checkpoints stay float ("none");
@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import nn
+
+from tokenfab.model.layers import RotaryEmbedding
+from tokenfab.model.llama import LlamaModel
 
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "w8a8", "int4", "int4-g32", "int4-g64", "int4-g128")
 
@@ -70,3 +74,41 @@ def use_gguf_blocks(model, raw: dict[str, tuple[str, np.ndarray]]) -> int:
     head_src = "lm_head.weight" if "lm_head.weight" in raw else "model.embed_tokens.weight"
     plan.append(([head_src], model.lm_head))
     return sum(native(srcs, lin) for srcs, lin in plan)
+
+
+def build_model(loaded, dtype: torch.dtype, device: str, block_size: int, max_positions: int,
+                quantization: str = "auto") -> LlamaModel:
+    """Build on the meta device (no wasted random init), move the real weights in, then swap in
+    quantized layers as asked (apply_quantization)."""
+    from tokenfab.quant.checkpoint import apply_checkpoint, is_quantized_checkpoint
+
+    cfg = loaded.config
+    with torch.device("meta"):
+        model = LlamaModel(cfg, block_size, max_positions=1)
+    model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
+    if is_quantized_checkpoint(loaded.path):     # written by `tokenfab quant`: our own layer names
+        if quantization not in ("auto", "none"):
+            raise ValueError(f"{loaded.path} is already quantized; leave quantization unset")
+        if cfg.tie_word_embeddings:      # tie before loading, so apply_checkpoint keeps one copy
+            model.lm_head.weight = model.embed_tokens.weight
+        apply_checkpoint(model, loaded.path)
+        _cast_float_parameters(model, dtype)
+    else:
+        model.load_hf_weights(loaded.weights, dtype)
+        apply_quantization(model, loaded, quantization)
+    model = model.to(device)
+    model.set_attention_backend(model.default_backend())
+    return model
+
+
+def _cast_float_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Float parameters outside the quantized linears to the compute dtype (checkpoints store
+    float32), in place so that tied parameters stay tied; quantized layers keep their scales."""
+    from tokenfab.quant.linear import QuantLinear
+
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            continue
+        for p in mod.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)

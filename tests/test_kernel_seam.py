@@ -1,0 +1,192 @@
+"""The kernel seam: every registered linear kernel against the float reference, the measured table's
+choices, and greedy output with each attention backend and linear kernel forced."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenfab.kernels import linear as seam
+from tokenfab.kernels.tuning import KernelTable, select_kernels
+from tokenfab.model.layers import FloatLinear
+from tokenfab.quant.linear import Int4Linear, Int8Linear, Q8_0Linear, W8A8Linear
+
+ROWS = (1, 7, 16, 17, 64, 512)
+
+
+def _layers():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 576, generator=g) * 0.05
+    q8 = torch.randint(-127, 128, (96, 576), generator=g, dtype=torch.int8)
+    return {
+        "float": FloatLinear(nn.Linear(576, 96)),
+        "int8": Int8Linear.from_float(w),
+        "int4": Int4Linear.from_float(w, group_size=32),
+        "int4-awq-g128": Int4Linear.from_float(w, group_size=128, input_scale=torch.rand(576, generator=g) + 0.5),
+        "q8_0": Q8_0Linear(q8, torch.rand(96, 18, generator=g) * 0.01),
+        "w8a8": W8A8Linear.from_float(w),
+    }
+
+
+# relative tolerance of each kernel's arithmetic against float32 F.linear on the dequantized weight
+TOLERANCE = {"onednn": 1e-5, "torch": 1e-6, "float": 1e-5, "dequant": 1e-6,
+             "qgemm": 1e-4,       # activations as int16 per block of 32
+             "packed": 2 ** -7,   # activations and scales rounded to bfloat16
+             "w8a8": 0.05}        # activations as int8 per row
+
+
+def _pairs():
+    names = {k.name: k.formats for k in seam.registered()}
+    return [(layer, kernel) for layer in _layers() for kernel, fmts in names.items()
+            if _layers()[layer].weight_format in fmts]
+
+
+@pytest.mark.parametrize("layer_name,kernel", _pairs())
+def test_every_registered_kernel_matches_the_float_reference_at_every_row_count(layer_name, kernel):
+    layer = _layers()[layer_name]
+    why = seam.get(kernel).supports(layer)
+    if why is not None:
+        pytest.skip(f"{kernel} cannot run {layer_name} on this machine: {why}")
+    layer.plan = seam.forced_plan(layer, kernel)
+    w = layer.dequantize(torch.float32)
+    scale = layer.input_scale_tensor
+    g = torch.Generator().manual_seed(1)
+    for rows in ROWS:
+        x = torch.randn(rows, 576, generator=g)
+        ref = F.linear(x if scale is None else x * scale, w, layer.bias).detach()
+        y = layer(x).detach()
+        assert y.shape == (rows, 96) and y.dtype == torch.float32
+        err = float((y - ref).abs().max() / ref.abs().max())
+        assert err < 4 * TOLERANCE[kernel], (kernel, layer_name, rows, err)
+
+
+def _table(key: str, times: dict[str, list[float]], rows=(1, 4, 16, 64)) -> KernelTable:
+    return KernelTable({key: {"rows": list(rows), "times": times}}, path=None)
+
+
+def _int4_model(n: int = 2) -> nn.Module:
+    g = torch.Generator().manual_seed(0)
+    return nn.ModuleList(Int4Linear.from_float(torch.randn(64, 128, generator=g), group_size=32) for _ in range(n))
+
+
+def test_registry_picks_the_measured_best_per_row_count(monkeypatch):
+    monkeypatch.setattr(seam.get("qgemm"), "supports", lambda layer: None)
+    model = _int4_model()
+    key = model[0].shape_key()
+    tbl = _table(key, {"qgemm": [1.0, 2.0, 8.0, 40.0], "packed": [3.0, 3.0, 6.0, 20.0],
+                       "float": [5.0, 5.0, 5.0, 10.0]})
+    select_kernels(model, max_rows=64, head_max_rows=8, table=tbl, autotune=False, float_copy_budget=1 << 30)
+    assert model[0].plan.names() == [(4, "qgemm"), (None, "float")]
+    assert model[1].plan.names() == model[0].plan.names()           # one measurement per shape
+    # within the one-call decode stack's rows, qgemm keeps its place unless another is 2x faster
+    select_kernels(model, max_rows=64, head_max_rows=8, table=tbl, autotune=False, float_copy_budget=1 << 30, stack_rows=16)
+    assert model[0].plan.names() == [(16, "qgemm"), (None, "float")]
+
+
+def test_a_kernel_must_beat_the_preferred_one_by_a_margin_and_a_lossy_one_by_more(monkeypatch):
+    monkeypatch.setattr(seam.get("qgemm"), "supports", lambda layer: None)
+    model = _int4_model(1)
+    key = model[0].shape_key()
+    # float 5 % faster than qgemm: noise, qgemm stays; packed (bf16 activations) 30 % faster: not enough
+    tbl = _table(key, {"qgemm": [1.0, 1.0, 1.0, 1.0], "float": [0.95] * 4, "packed": [0.7] * 4})
+    select_kernels(model, max_rows=512, head_max_rows=8, table=tbl, autotune=False, float_copy_budget=1 << 30)
+    assert model[0].plan.names() == [(64, "qgemm"), (None, "float")]    # past its measured rows: the float copy
+    select_kernels(model, max_rows=64, head_max_rows=8, table=tbl, autotune=False, float_copy_budget=1 << 30)
+    assert model[0].plan.names() == [(None, "qgemm")]           # it never sees more rows: no float copy
+
+
+def test_registry_falls_back_when_the_measured_best_is_unavailable(monkeypatch):
+    model = _int4_model(1)
+    key = model[0].shape_key()
+    tbl = _table(key, {"qgemm": [1.0, 1.0, 1.0, 1.0], "packed": [9.0] * 4, "float": [5.0] * 4})
+    monkeypatch.setattr(seam.get("qgemm"), "supports", lambda layer: "no C compiler (test)")
+    select_kernels(model, max_rows=64, head_max_rows=8, table=tbl, autotune=False, float_copy_budget=1 << 30)
+    assert model[0].plan.names() == [(None, "float")]
+    # and with no room for float copies either: the next measured kernel, then dequant past its rows
+    select_kernels(model, max_rows=512, head_max_rows=8, table=tbl, autotune=False, float_copy_budget=0)
+    assert [n for _, n in model[0].plan.names()] == ["packed", "dequant"]
+
+
+def test_float_copies_are_kept_where_they_save_most_per_byte_within_the_budget(monkeypatch):
+    monkeypatch.setattr(seam.get("qgemm"), "supports", lambda layer: None)
+    g = torch.Generator().manual_seed(0)
+    small, big = Int4Linear.from_float(torch.randn(64, 128, generator=g)), Int4Linear.from_float(torch.randn(256, 128, generator=g))
+    model = nn.ModuleList([small, big])
+    tbl = KernelTable({m.shape_key(): {"rows": [1, 64], "times": {"qgemm": [1.0, 10.0], "float": [2.0, 5.0]}}
+                       for m in model}, path=None)
+    report = select_kernels(model, max_rows=64, head_max_rows=8, table=tbl, autotune=False, float_copy_budget=4 * 64 * 128)
+    assert small.plan.names() == [(1, "qgemm"), (None, "float")]
+    assert "float" not in [n for _, n in big.plan.names()]
+    assert report.float_copy_bytes == 4 * 64 * 128
+
+
+def test_forcing_a_kernel_applies_where_it_runs_and_unknown_names_fail():
+    model = nn.ModuleList([_int4_model(1)[0], FloatLinear(nn.Linear(128, 64))])
+    select_kernels(model, max_rows=64, head_max_rows=8, autotune=False, force="dequant")
+    assert model[0].plan.names() == [(None, "dequant")]
+    assert model[1].plan.names()[0][1] in ("onednn", "torch")       # float layers: dequant doesn't run them
+    with pytest.raises(ValueError, match="registered"):
+        select_kernels(model, max_rows=64, head_max_rows=8, autotune=False, force="fastest")
+
+
+def test_the_table_is_measured_once_and_cached(tmp_path):
+    model = _int4_model(2)
+    path = str(tmp_path / "t.json")
+    tbl = KernelTable({}, path)
+    select_kernels(model, max_rows=8, head_max_rows=8, table=tbl)
+    tbl.save()
+    again = KernelTable.load(path)
+    assert model[0].shape_key() in again.entries
+    assert again.entries[model[0].shape_key()]["rows"] == [1, 4, 8]
+    before = again.measured_s
+    select_kernels(model, max_rows=8, head_max_rows=8, table=again)
+    assert again.measured_s == before                                # nothing measured again
+
+
+# ------------------------------------------------------------------ greedy output with each choice forced
+PROMPTS = ["the quick brown fox", "seven clever engineers write fast kernels for memory bound decoding",
+           "a lazy dog", "on small machines under real load the quick brown fox jumps over"]
+
+
+def _batched_equals_alone(llm):
+    from tokenfab import SamplingParams
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS]
+    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert batched == alone
+    assert llm.engine.block_manager.num_used_blocks() == 0
+    return alone
+
+
+@pytest.mark.parametrize("backend,kernel,quantization", [
+    ("torch", "torch", "none"),
+    pytest.param("cpu", "onednn", "none", marks=pytest.mark.slow),
+    pytest.param("torch", "onednn", "none", marks=pytest.mark.slow),
+    pytest.param("cpu", "qgemm", "gguf", marks=pytest.mark.slow),
+    pytest.param("torch", "qgemm", "gguf", marks=pytest.mark.slow),
+    pytest.param("cpu", "float", "gguf", marks=pytest.mark.slow),
+])
+def test_greedy_output_is_batch_invariant_with_each_backend_and_kernel_forced(bundled_files, backend, kernel,
+                                                                            quantization):
+    from tokenfab import LLM
+    llm = LLM(loaded=bundled_files, quantization=quantization, max_model_len=512, num_kv_blocks=256,
+              attention_backend=backend, linear_kernel=kernel)
+    assert llm.engine.model.attention_backend.name == backend
+    _batched_equals_alone(llm)
+
+
+def test_torch_and_cpu_attention_backends_give_the_same_greedy_tokens(bundled_llm, bundled_files):
+    from tokenfab import LLM, SamplingParams
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert bundled_llm.engine.model.attention_backend.name in ("cpu", "torch")
+    torch_llm = LLM(loaded=bundled_files, quantization="none", max_model_len=512, num_kv_blocks=256,
+                    attention_backend="torch")
+    a = [o.outputs[0].token_ids for o in bundled_llm.generate(PROMPTS, params)]
+    b = [o.outputs[0].token_ids for o in torch_llm.generate(PROMPTS, params)]
+    assert a == b
+
+
+def test_forcing_the_cpu_backend_where_it_cannot_run_says_why(bundled_files):
+    from tokenfab import LLM
+    with pytest.raises(ValueError, match="attention_backend='cpu'"):
+        LLM(loaded=bundled_files, dtype="bfloat16", quantization="none", max_model_len=64, num_kv_blocks=16,
+            attention_backend="cpu")

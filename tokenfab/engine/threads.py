@@ -1,0 +1,96 @@
+"""Thread count that holds up when other processes share the cores.
+
+A step runs its GEMMs and C kernels as OpenMP parallel regions, each ending in a barrier. When another
+process takes a core, the OS deschedules one of our workers and every barrier waits a whole time
+slice for it: on the 2-core VM one stream fell from 103 to 20 tok/s with two busy loops beside the
+server, and `tokenfab generate` from 59.6 to 7.7 tok/s, while `--num-threads 1` kept 27.2 (issue 12).
+
+`ThreadController` watches each step's time against the running median of quiet steps of the same
+size (token count, in powers of two). `patience` steps in a row slower than `slow_factor` x that
+median, or fewer free cores than threads (/proc/stat's running tasks against our affinity mask),
+mean contention: it drops one thread. While lowered it probes one thread more every `probe_every`
+steps and keeps it when the probe step is no longer slow, so the count comes back when the
+contention ends. It only ever calls `set_threads`; the engine calls `observe` once per step.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+
+def free_cores() -> int | None:
+    """Cores in our affinity mask not running another runnable task right now (None: unknown).
+    /proc/stat's procs_running counts every runnable task on the machine, ours included."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("procs_running"):
+                    running = int(line.split()[1])
+                    return max(0, cores - max(0, running - 1))     # minus this (stepping) thread
+    except (OSError, AttributeError, ValueError):
+        pass
+    return None
+
+
+class ThreadController:
+    def __init__(self, max_threads: int, *, slow_factor: float = 2.5, patience: int = 3, window: int = 31,
+                 probe_every: int = 64, min_samples: int = 8,
+                 set_threads: Callable[[int], None] = torch.set_num_threads,
+                 cores_free: Callable[[], int | None] | None = None):
+        self.max_threads = self.threads = max(1, max_threads)
+        self.slow_factor, self.patience, self.probe_every, self.min_samples = slow_factor, patience, probe_every, min_samples
+        self._set = set_threads
+        self._cores_free = cores_free
+        self._quiet: dict[int, deque[float]] = {}      # size bucket -> recent quiet step times at max threads
+        self._window = window
+        self._slow_run = 0
+        self._since_change = 0
+        self._probing = False
+        self.reductions = 0                            # how often contention lowered the count (for logs/tests)
+
+    @staticmethod
+    def bucket(num_tokens: int) -> int:
+        return max(1, num_tokens - 1).bit_length()
+
+    def _baseline(self, b: int) -> float | None:
+        q = self._quiet.get(b)
+        return statistics.median(q) if q is not None and len(q) >= self.min_samples else None
+
+    def observe(self, num_tokens: int, seconds: float) -> int:
+        """One step's size and wall time; returns the thread count for the next step."""
+        b = self.bucket(num_tokens)
+        base = self._baseline(b)
+        slow = base is not None and seconds > self.slow_factor * base
+        self._since_change += 1
+        if self._probing:                          # the step just run had one thread more than before
+            self._probing = False
+            if slow:
+                self._change(self.threads - 1)     # still contended: back down, probe again later
+            return self.threads
+        if self.threads == self.max_threads and not slow:
+            self._quiet.setdefault(b, deque(maxlen=self._window)).append(seconds)
+        self._slow_run = self._slow_run + 1 if slow else 0
+        crowded = False
+        if self._cores_free is not None and self.threads > 1 and self._since_change >= self.patience:
+            free = self._cores_free()
+            crowded = free is not None and free < self.threads - 1 and slow
+        if (self._slow_run >= self.patience or crowded) and self.threads > 1:
+            self._change(self.threads - 1)
+            self.reductions += 1
+        elif self.threads < self.max_threads and self._since_change >= self.probe_every:
+            free = self._cores_free() if self._cores_free is not None else None
+            if free is None or free >= 1:
+                self._change(self.threads + 1)
+                self._probing = True
+        return self.threads
+
+    def _change(self, n: int) -> None:
+        self.threads = max(1, min(self.max_threads, n))
+        self._set(self.threads)
+        self._slow_run = 0
+        self._since_change = 0

@@ -1,0 +1,299 @@
+"""The linear-kernel seam: one interface, a registry, and the per-layer plan chosen once at load.
+
+A *linear* is any module that computes x @ W.T + b from some stored form of W (its *weight format*:
+"float", "int8", "int4", "q8_0", "w8a8"). A *kernel* is one way to run a format on some machine for
+some row counts: oneDNN's prepacked float GEMM, torch's packed int4/int8 kernels, tokenfab's C
+`tf_qgemm`, a float copy of a quantized weight, expand-then-F.linear. Each is registered here once:
+
+    register(MyKernel())                    # name, formats, supports(), prepare(), run()
+
+At load every linear gets a `LinearPlan`: a short list of (largest row count, kernel, prepared state),
+from the measured table (tokenfab/kernels/tuning.py) or a forced kernel. The forward pass runs the
+plan's kernel for its row count and nothing else: no checks per call, no cascade.
+
+This module sits below both tokenfab.model and tokenfab.quant and imports neither: the float kernels
+are registered here, the quantized formats' kernels by tokenfab/quant/kernels.py, which every
+quantized layer's module imports (so they are registered before any quantized layer exists).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@runtime_checkable
+class LinearKernel(Protocol):
+    """One registered implementation: a weight format x instruction set x batch regime."""
+    name: str                       # unique, e.g. "qgemm"; what EngineConfig.linear_kernel names
+    formats: tuple[str, ...]        # weight formats it runs
+    tune_max_rows: int | None       # above this row count it is a known loser: not timed, not chosen
+    float_copy: bool                # its state is a float copy of the weight (counts in the memory budget)
+    rank: int                       # preference when measured times tie (lower first)
+    lossy: bool                     # rounds activations below the compute dtype (chosen only when much faster)
+
+    def supports(self, layer: "KernelLinear") -> str | None:
+        """None when it can run `layer` on this machine, else why not (said to a user who forced it)."""
+
+    def prepare(self, layer: "KernelLinear") -> Any:
+        """Whatever run() needs (a packed layout), built once at load."""
+
+    def run(self, state: Any, x: torch.Tensor, layer: "KernelLinear") -> torch.Tensor:
+        """x [T, in] (contiguous rows, already input-scaled) -> [T, out], bias not added."""
+
+
+_REGISTRY: dict[str, LinearKernel] = {}
+
+
+def register(kernel: LinearKernel) -> LinearKernel:
+    """Add a kernel (replacing one of the same name)."""
+    _REGISTRY[kernel.name] = kernel
+    return kernel
+
+
+def registered(fmt: str | None = None) -> list[LinearKernel]:
+    return [k for k in _REGISTRY.values() if fmt is None or fmt in k.formats]
+
+
+def get(name: str) -> LinearKernel:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown linear kernel {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def candidates(layer: "KernelLinear") -> list[LinearKernel]:
+    """The registered kernels that can run this layer here, in preference order."""
+    return [k for k in registered(layer.weight_format) if k.supports(layer) is None]
+
+
+@dataclass(slots=True)
+class Choice:
+    max_rows: int | None            # this kernel runs calls of up to max_rows rows (None: any)
+    kernel: LinearKernel
+    state: Any
+
+
+class LinearPlan:
+    """The kernels one linear runs, by row count; built once, then only called."""
+    __slots__ = ("choices",)
+
+    def __init__(self, choices: list[Choice]):
+        assert choices and choices[-1].max_rows is None, "the last choice must take any row count"
+        self.choices = choices
+
+    def __call__(self, x: torch.Tensor, layer: "KernelLinear") -> torch.Tensor:
+        T = x.shape[0]
+        for c in self.choices:
+            if c.max_rows is None or T <= c.max_rows:
+                return c.kernel.run(c.state, x, layer)
+        raise AssertionError("unreachable: the last choice takes any row count")
+
+    def kernel_at(self, rows: int) -> Choice:
+        for c in self.choices:
+            if c.max_rows is None or rows <= c.max_rows:
+                return c
+        raise AssertionError("unreachable")
+
+    def state_of(self, name: str) -> Any:
+        """The prepared state of kernel `name` in this plan, or None."""
+        for c in self.choices:
+            if c.kernel.name == name:
+                return c.state
+        return None
+
+    def names(self) -> list[tuple[int | None, str]]:
+        return [(c.max_rows, c.kernel.name) for c in self.choices]
+
+    def float_copy_bytes(self) -> int:
+        return sum(c.state.numel() * c.state.element_size() for c in self.choices
+                   if c.kernel.float_copy and isinstance(c.state, torch.Tensor))
+
+
+def build_plan(layer: "KernelLinear", ranges: list[tuple[int | None, str]]) -> LinearPlan:
+    """A plan from [(max_rows, kernel name)], ascending, last None; merges neighbours that agree."""
+    merged: list[tuple[int | None, str]] = []
+    for rows, name in ranges:
+        if merged and merged[-1][1] == name:
+            merged[-1] = (rows, name)
+        else:
+            merged.append((rows, name))
+    states: dict[str, Any] = {}
+    choices = []
+    for rows, name in merged:
+        k = get(name)
+        why = k.supports(layer)
+        if why is not None:
+            raise ValueError(f"linear kernel {name!r} cannot run this {layer.weight_format} layer "
+                             f"({layer.out_features}x{layer.in_features}): {why}")
+        if name not in states:
+            states[name] = k.prepare(layer)
+        choices.append(Choice(rows, k, states[name]))
+    return LinearPlan(choices)
+
+
+def forced_plan(layer: "KernelLinear", name: str) -> LinearPlan:
+    """`name` for every row count (ValueError, saying why, when it cannot run this layer)."""
+    return build_plan(layer, [(None, name)])
+
+
+class KernelLinear(nn.Module):
+    """Base of every linear the engine runs: `forward(x[..., in]) -> [..., out]` through `self.plan`.
+
+    Subclasses hold the weight in their format and implement `dequantize`. Without an installed
+    plan (offline tools that build a model by hand) the first call installs the default rules'
+    plan (tuning.default_plan: no measurement)."""
+    weight_format: ClassVar[str]
+    compute_dtype: torch.dtype = torch.float32     # the activations' dtype; set at load (select_kernels)
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.plan: LinearPlan | None = None
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight this layer computes with, [out, in], as `nn.Linear.weight` would hold it."""
+        raise NotImplementedError
+
+    def shape_key(self) -> str:
+        """What the measured table is keyed by: format and shape (layers alike in these time alike)."""
+        return f"{self.weight_format}:{self.out_features}x{self.in_features}"
+
+    @property
+    def input_scale_tensor(self) -> torch.Tensor | None:
+        """A per-input-channel factor applied to x before the kernel (AWQ), or None."""
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        s = self.input_scale_tensor
+        if s is not None:
+            x2 = x2 * s.to(x2.dtype)
+        plan = self.plan
+        if plan is None:
+            from tokenfab.kernels.tuning import default_plan
+            plan = self.plan = default_plan(self)
+        y = plan(x2, self)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    # a plan's prepared layouts depend on the buffers and the device: rebuild after either changes
+    def _apply(self, fn, recurse=True):
+        self.plan = None
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.plan = None
+        return super()._load_from_state_dict(*args, **kwargs)
+
+
+def plan_linears(model: nn.Module) -> list[KernelLinear]:
+    return [m for m in model.modules() if isinstance(m, KernelLinear)]
+
+
+# ------------------------------------------------------------------------------ float kernels
+def onednn_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
+    return (torch.device(device).type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A float [out, in] weight in oneDNN's blocked layout (machine-specific: never saved)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), None)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] float32 @ a weight from `onednn_pack`, plus bias: [T, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _layer_device(layer: KernelLinear) -> torch.device:
+    for t in layer.buffers():
+        return t.device
+    for t in layer.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+class OneDNNFloat:
+    """float32 weights in oneDNN's prepacked layout (torch.ops.mkldnn). MKL's default GEMM was 1.2-2.3x
+    slower on the decoder's skinny shapes and the wide LM head on the AVX2 dev machine."""
+    name, formats, tune_max_rows, float_copy = "onednn", ("float",), None, False
+    rank, lossy = 0, False
+
+    def supports(self, layer):
+        if layer.weight is None or not onednn_supported(layer.weight.device, layer.weight.dtype):
+            return "needs float32 weights on a CPU with oneDNN"
+        return None
+
+    def prepare(self, layer):
+        return onednn_pack(layer.weight.detach())
+
+    def run(self, state, x, layer):
+        return onednn_linear(x, state, None)
+
+
+class TorchFloat:
+    """F.linear: the portable reference (CUDA, bfloat16, any shape)."""
+    name, formats, tune_max_rows, float_copy = "torch", ("float",), None, False
+    rank, lossy = 1, False
+
+    def supports(self, layer):
+        return None if layer.weight is not None else "the float weight was given up for a packed copy"
+
+    def prepare(self, layer):
+        return None
+
+    def run(self, state, x, layer):
+        return F.linear(x, layer.weight.to(x.dtype))
+
+
+class FloatCopy:
+    """A quantized weight dequantized once into a float32 oneDNN copy: the fastest path for big batches
+    where the memory budget allows (4 bytes per weight, counted by the engine)."""
+    name, formats, tune_max_rows, float_copy = "float", ("int8", "int4", "q8_0"), None, True
+    rank, lossy = 1, False
+
+    def supports(self, layer):
+        return None if onednn_supported(_layer_device(layer), torch.float32) else "needs a CPU with oneDNN"
+
+    def prepare(self, layer):
+        return onednn_pack(layer.dequantize(torch.float32))
+
+    def run(self, state, x, layer):
+        return onednn_linear(x.float(), state, None).to(x.dtype)
+
+
+class Dequant:
+    """Expand the weight to the activation dtype on every call, then F.linear: no extra memory, any
+    device; the exact reference in tests."""
+    name, formats, tune_max_rows, float_copy = "dequant", ("int8", "int4", "q8_0", "w8a8"), None, False
+    rank, lossy = 3, False
+
+    def supports(self, layer):
+        return None
+
+    def prepare(self, layer):
+        return None
+
+    def run(self, state, x, layer):
+        return F.linear(x, layer.dequantize(x.dtype))
+
+
+for _k in (OneDNNFloat(), TorchFloat(), FloatCopy(), Dequant()):
+    register(_k)
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Row counts the table measures, up to (and including one at or past) max_rows. Above 64 rows the
+    GEMMs are compute-bound: the float copy (or dequant) takes them (tuning.KernelTable.ranges)."""
+    out = []
+    for b in (1, 4, 8, 16, 32, 64):
+        out.append(b)
+        if b >= max_rows:
+            break
+    return out

@@ -1,0 +1,368 @@
+"""The measured kernel table: which linear kernel runs which shape at which row count, on this CPU.
+
+At load (`select_kernels`) every distinct (format, shape) among the model's linears is timed once
+per candidate kernel at a few row counts (1, 2, 4, ... up to what the layer will see), on the layer's
+real weights, on one thread, and the table is cached per CPU next to the C build (~/.cache/tokenfab/
+tuning, keyed by the CPU model and flags, torch's version and the C source), so later loads
+measure nothing. Each layer then gets a `LinearPlan`: for every measured row count the fastest
+kernel (a kernel earlier in the registry keeps its place unless another beats it by TIE_MARGIN, so
+noise on a shared machine doesn't flip choices), merged into ranges.
+
+Float copies of quantized weights (the "float" kernel) are kept only for shapes where the table
+says they win somewhere, and only while their bytes fit the budget; the shapes that save the most
+time per byte are kept first.
+
+Without measurement (`autotune=False`, or a layer built outside the engine) `default_rules` gives
+the choices this project measured by hand on its 2-core dev machines (docs/quant.md).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenfab.kernels.linear import (KernelLinear, LinearPlan, build_plan, candidates, get, plan_linears,
+                                     registered, row_buckets)
+
+log = logging.getLogger("tokenfab.kernels")
+
+TIE_MARGIN = 0.10         # a later-registered kernel must be this much faster to displace an earlier one
+REPEATS = 3               # timed passes per (kernel, row count) after a warm one; the minimum is kept
+ROTATE = 8                # same-shaped layers a pass rotates over (weights stream from memory, not L1/L2)
+SLOW_PASS_S = 0.05        # a pass slower than this is timed once more only
+STACK_MARGIN = 0.5        # within the cpu backend's one-call decode rows, displacing qgemm turns that stack off
+                          # for the whole model (8.7 vs 16 ms per token, docs/architecture.md), a cost no
+                          # per-linear timing sees: another kernel must be 2x faster there
+# MEASURE_THREADS: the table is measured on one thread. Every kernel splits its output rows over the
+# threads alike, so their ranking holds at any thread count, and one thread never waits on an OpenMP
+# worker the OS descheduled: with other work on the 2-core VM (load average 10) a 20 us call measured
+# on two threads took 10-15 ms, which made the table noise.
+LOSSY_MARGIN = 0.5        # a kernel that rounds activations below the compute precision (torch's packed
+                          # kernels: bf16, KL 1e-3 on the bundled model) must be this much faster to be chosen
+TABLE_VERSION = 1
+
+
+# ---------------------------------------------------------------------------- the hand-made rules
+# What the pre-table code chose (benchmarks/quant_kernels.py, docs/quant.md, on the 2-core dev VMs):
+# tf_qgemm up to 16 rows; torch's packed kernels up to a per-format limit (int4 32, int8 8, q8_0 1;
+# 32 for weights of 8M+ elements such as the LM head); then the float copy where kept, else dequant.
+QGEMM_DEFAULT_MAX_ROWS = 16
+PACKED_DEFAULT_MAX_ROWS = {"int8": 8, "int4": 32, "q8_0": 1}
+LARGE_WEIGHT_NUMEL = 8 << 20
+LARGE_PACKED_MAX_ROWS = 32
+
+
+def default_rules(layer: KernelLinear, allow_float_copy: bool = False) -> list[tuple[int | None, str]]:
+    ok = {k.name for k in candidates(layer)}
+    fmt = layer.weight_format
+    if fmt == "float":
+        return [(None, "onednn" if "onednn" in ok else "torch")]
+    if fmt == "w8a8":
+        return [(None, "w8a8" if "w8a8" in ok else "dequant")]
+    ranges: list[tuple[int | None, str]] = []
+    if "qgemm" in ok:
+        ranges.append((QGEMM_DEFAULT_MAX_ROWS, "qgemm"))
+    if "packed" in ok:
+        limit = PACKED_DEFAULT_MAX_ROWS.get(fmt, 1)
+        if layer.in_features * layer.out_features >= LARGE_WEIGHT_NUMEL:
+            limit = max(limit, LARGE_PACKED_MAX_ROWS)
+        if allow_float_copy and "float" in ok:
+            limit = 8 if layer.in_features * layer.out_features >= LARGE_WEIGHT_NUMEL else 4
+        if not ranges or limit > ranges[-1][0]:
+            ranges.append((limit, "packed"))
+    ranges.append((None, "float" if allow_float_copy and "float" in ok else "dequant"))
+    return ranges
+
+
+def default_plan(layer: KernelLinear) -> LinearPlan:
+    return build_plan(layer, default_rules(layer))
+
+
+# ---------------------------------------------------------------------------- the measured table
+def _cpu_key() -> str:
+    from tokenfab.kernels import SOURCE, _cpu_model
+    parts = [_cpu_model(), torch.__version__, str(TABLE_VERSION)]
+    try:
+        with open(SOURCE, "rb") as f:
+            parts.append(hashlib.sha256(f.read()).hexdigest())
+    except OSError:
+        pass
+    from tokenfab import kernels as c
+    parts.append(str(c.enabled()))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def table_path() -> str:
+    root = os.environ.get("TOKENFAB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tokenfab")
+    return os.path.join(root, "tuning", f"linear-{_cpu_key()}.json")
+
+
+@dataclass
+class KernelTable:
+    """shape key -> {"rows": [..], "times": {kernel: [seconds per row count]}}."""
+    entries: dict[str, dict] = field(default_factory=dict)
+    path: str | None = None
+    measured_s: float = 0.0           # time spent measuring in this process
+
+    @classmethod
+    def load(cls, path: str | None = None) -> "KernelTable":
+        path = path or table_path()
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            return cls(data.get("entries", {}), path)
+        except (OSError, ValueError):
+            return cls({}, path)
+
+    def save(self) -> None:
+        if not self.path:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".json", dir=os.path.dirname(self.path))
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": TABLE_VERSION, "entries": self.entries}, f, indent=1)
+            os.replace(tmp, self.path)        # atomic: a concurrent loader never reads half a file
+        except OSError as e:
+            log.warning("could not save the kernel table to %s: %s", self.path, e)
+
+    def has(self, key: str, rows: list[int], kernels: list[str]) -> bool:
+        e = self.entries.get(key)
+        return (e is not None and all(r in e["rows"] for r in rows)
+                and all(k in e["times"] for k in kernels))
+
+    def measure(self, layers: list[KernelLinear], rows: list[int]) -> None:
+        """Time every candidate kernel on these same-shaped layers' real weights at these row counts.
+
+        Calls rotate over the layers (up to ROTATE of them), so the weights stream from memory as in a
+        forward pass instead of sitting hot in the cache after the first call (a single hot weight made
+        4-byte float copies look as cheap as 0.5-byte int4 blocks)."""
+        t0 = time.perf_counter()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)        # see MEASURE_THREADS
+        try:
+            self._measure(layers, rows)
+        finally:
+            torch.set_num_threads(threads)
+            self.measured_s += time.perf_counter() - t0
+
+    def _measure(self, layers: list[KernelLinear], rows: list[int]) -> None:
+        layer = layers[0]
+        key = layer.shape_key()
+        entry = self.entries.setdefault(key, {"rows": [], "times": {}})
+        all_rows = sorted(set(entry["rows"]) | set(rows))
+        gen = torch.Generator().manual_seed(0)
+        xs = {r: torch.randn(r, layer.in_features, generator=gen).to(layer.compute_dtype) for r in all_rows}
+        cands = candidates(layer)
+        names = {k.name for k in cands}
+        group = layers[:ROTATE]
+        for k in cands:
+            if k.name == "dequant" and "float" in names:
+                continue          # the float copy is dequant without the per-call expansion: dequant only
+                                  # runs where copies don't fit, and there the rules' fallback is dequant
+            old = dict(zip(entry["rows"], entry["times"].get(k.name, [])))
+            todo = [r for r in all_rows if old.get(r) is None and (k.tune_max_rows is None or r <= k.tune_max_rows)]
+            if todo:
+                states = [k.prepare(m) for m in group]
+                for r in todo:    # big row counts amortize the weight read: a few layers suffice
+                    n = len(group) if r < 32 else min(len(group), 2)
+                    old[r] = _time_rotating(k, states[:n], group[:n], xs[r])
+                del states
+            entry["times"][k.name] = [old.get(r) for r in all_rows]
+        for name, ts in entry["times"].items():           # earlier rows of kernels not timed now
+            if len(ts) != len(all_rows):
+                entry["times"][name] = [dict(zip(entry["rows"], ts)).get(r) for r in all_rows]
+        entry["rows"] = all_rows
+
+    def ranges(self, layer: KernelLinear, allowed: set[str], stack_rows: int = 0,
+               max_rows: int | None = None) -> list[tuple[int | None, str]] | None:
+        """Fastest allowed kernel per measured row count, as plan ranges; None if nothing measured."""
+        e = self.entries.get(layer.shape_key())
+        if e is None:
+            return None
+        ks = sorted((k for k in registered(layer.weight_format) if k.name in allowed and k.name in e["times"]),
+                    key=lambda k: k.rank)
+        order = [k.name for k in ks]
+        lossy = {k.name for k in ks if k.lossy}
+        if not order:
+            return None
+        if layer.weight_format == "float":
+            # float kernels sum in different orders: one kernel for every row count keeps a token's
+            # logits independent of its batch (the greedy-invariance tests hold exactly)
+            total = {k: sum(t or float("inf") for t in e["times"][k]) for k in order}
+            return [(None, _pick(order, total, lossy))]
+        ranges: list[tuple[int | None, str]] = []
+        wanted = set(row_buckets(max_rows)) if max_rows else set(e["rows"])
+        for i, r in enumerate(e["rows"]):
+            if r not in wanted:
+                continue
+            t = {k: e["times"][k][i] for k in order if e["times"][k][i] is not None}
+            if t:
+                pick = _pick([k for k in order if k in t], t, lossy)
+                if r <= stack_rows and "qgemm" in t and pick != "qgemm" and t[pick] > t["qgemm"] * (1 - STACK_MARGIN):
+                    pick = "qgemm"
+                ranges.append((r, pick))
+        if not ranges:
+            return None
+        last = ranges[-1][1]
+        covered = max_rows is not None and ranges[-1][0] >= max_rows     # the layer never sees more rows
+        if not covered and get(last).tune_max_rows is not None and "dequant" in allowed:
+            ranges.append((None, "float" if "float" in allowed and "float" in e["times"] else "dequant"))
+        else:
+            ranges[-1] = (None, last)
+        return ranges
+
+
+def _pick(order: list[str], times: dict[str, float], lossy: set[str] = frozenset()) -> str:
+    """The best-ranked kernel in `order` unless a later one is TIE_MARGIN (LOSSY_MARGIN for a lossy
+    kernel) faster than the best before it: noise on a shared machine must not flip choices."""
+    precise = [k for k in order if k not in lossy] or order
+    best = precise[0]
+    for k in precise[1:]:
+        if times[k] < times[best] * (1 - TIE_MARGIN):
+            best = k
+    for k in order:
+        if k in lossy and times[k] < times[best] * (1 - LOSSY_MARGIN):
+            best = k
+    return best
+
+
+def _time_rotating(kernel, states, layers, x) -> float:
+    """Seconds per call: the fastest single call over REPEATS timed passes (after a warm one) over the
+    layers. The minimum, not the mean: on shared cores a call that waited for a descheduled OpenMP
+    thread took 10-15 ms instead of 20 us (measured on the 2-core VM), and that is not the kernel."""
+    def one_pass(best):
+        for st, m in zip(states, layers):
+            t = time.perf_counter()
+            kernel.run(st, x, m)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    t0 = time.perf_counter()
+    one_pass(float("inf"))                  # warm: first-call allocations, page faults
+    slow = time.perf_counter() - t0 > SLOW_PASS_S
+    best = float("inf")
+    for _ in range(1 if slow else REPEATS):
+        best = one_pass(best)
+    return best
+
+
+# ---------------------------------------------------------------------------- choosing at load
+@dataclass
+class KernelReport:
+    """What was chosen, for logs and `tokenfab info`."""
+    plans: dict[str, str]                     # shape key -> "qgemm 1-16, float 17+"
+    layers: dict[str, int]                    # shape key -> how many linears have it
+    float_copy_bytes: int
+    weight_bytes: int
+    measured_s: float
+    table_path: str | None
+    forced: str | None
+
+
+def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int, autotune: bool = True,
+                   force: str = "auto", float_copy_budget: int = 0, table: KernelTable | None = None,
+                   head: torch.nn.Module | None = None, dtype: torch.dtype | None = None,
+                   stack_rows: int = 0) -> KernelReport:
+    """Install a LinearPlan in every KernelLinear of `model`, once.
+
+    max_rows: the most rows a decoder linear sees in a step (the token budget); head_max_rows: the
+    most the LM head sees (one per sampled sequence). force: a kernel name for every layer that it can
+    run (the rest stay automatic); "auto" measures (autotune) or uses the default rules. stack_rows:
+    decode steps up to this many rows may take a one-call decode stack that needs qgemm (STACK_MARGIN)."""
+    layers = plan_linears(model)
+    if dtype is not None:
+        for m in layers:
+            if m.weight_format != "float":
+                m.compute_dtype = dtype
+    if force != "auto":
+        get(force)                            # unknown names fail loudly, before anything changes
+    by_key: dict[str, list[KernelLinear]] = {}
+    for m in layers:
+        by_key.setdefault(m.shape_key(), []).append(m)
+    rows_for = {key: (head_max_rows if any(m is head for m in ms) and len(ms) == 1 else max_rows)
+                for key, ms in by_key.items()}
+
+    tbl = table if table is not None else (KernelTable.load() if autotune else None)
+    if tbl is not None and autotune:
+        dirty = False
+        for key, ms in by_key.items():
+            rows = row_buckets(rows_for[key])
+            names = [k.name for k in candidates(ms[0])]
+            if len(names) > 1 and not tbl.has(key, rows, [n for n in names if n != "dequant" or "float" not in names]):
+                tbl.measure(ms, rows)
+                dirty = True
+        if dirty and table is None:
+            tbl.save()
+
+    chosen: dict[str, list[tuple[int | None, str]]] = {}
+    for key, ms in by_key.items():
+        ok = {k.name for k in candidates(ms[0])}
+        if force != "auto" and force in ok:
+            chosen[key] = [(None, force)]
+            continue
+        r = tbl.ranges(ms[0], ok, stack_rows, rows_for[key]) if tbl is not None else None
+        chosen[key] = r if r is not None else default_rules(ms[0], allow_float_copy=float_copy_budget > 0)
+
+    _fit_float_copies(chosen, by_key, tbl, float_copy_budget, stack_rows, rows_for)
+    for key, ms in by_key.items():
+        for m in ms:
+            m.plan = build_plan(m, chosen[key])
+    float_bytes = sum(m.plan.float_copy_bytes() for m in layers)
+    weight_bytes = sum(b.numel() * b.element_size() for m in layers for b in list(m.buffers()) + list(m.parameters()))
+    return KernelReport({k: build_describe(v) for k, v in chosen.items()}, {k: len(v) for k, v in by_key.items()},
+                        float_bytes, weight_bytes, tbl.measured_s if tbl is not None else 0.0,
+                        tbl.path if tbl is not None else None, None if force == "auto" else force)
+
+
+def build_describe(ranges: list[tuple[int | None, str]]) -> str:
+    out, lo = [], 1
+    merged: list[tuple[int | None, str]] = []
+    for rows, name in ranges:
+        if merged and merged[-1][1] == name:
+            merged[-1] = (rows, name)
+        else:
+            merged.append((rows, name))
+    for rows, name in merged:
+        out.append(f"{name} {lo}+" if rows is None else f"{name} {lo}-{rows}")
+        lo = (rows or 0) + 1
+    return ", ".join(out)
+
+
+def _fit_float_copies(chosen, by_key, tbl: KernelTable | None, budget: int, stack_rows: int, rows_for) -> None:
+    """Drop "float" from shapes (best saving per byte kept first) until their copies fit `budget`."""
+    def cost(key):
+        m = by_key[key][0]
+        return 4 * m.in_features * m.out_features * len(by_key[key])
+
+    users = [k for k, r in chosen.items() if any(n == "float" for _, n in r)]
+    if not users:
+        return
+
+    def saving(key):                 # seconds saved per byte, summed over the row counts it wins
+        e = tbl.entries.get(key) if tbl is not None else None
+        if e is None:
+            return 0.0
+        s = 0.0
+        for i in range(len(e["rows"])):
+            f = e["times"].get("float", [None] * len(e["rows"]))[i]
+            others = [t[i] for n, t in e["times"].items() if n != "float" and t[i] is not None]
+            if f is not None and others:
+                s += max(0.0, min(others) - f)
+        return s / cost(key)
+
+    kept = 0
+    for key in sorted(users, key=saving, reverse=True):
+        if kept + cost(key) <= budget:
+            kept += cost(key)
+            continue
+        m = by_key[key][0]
+        ok = {k.name for k in candidates(m)} - {"float"}
+        r = tbl.ranges(m, ok, stack_rows, rows_for[key]) if tbl is not None else None
+        chosen[key] = r if r is not None else default_rules(m, allow_float_copy=False)

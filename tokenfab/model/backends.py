@@ -1,0 +1,201 @@
+"""Attention backends: how a decoder layer turns its qkv rows into attention output, chosen once at load.
+
+    backend = make_attention_backend("auto", device="cpu", dtype=torch.float32, kv_dtype=torch.float32)
+    model.set_attention_backend(backend)
+
+- **torch**: the portable path (model/attention.py): RoPE in torch, `index_copy_` K/V writes, gather +
+  SDPA. Runs on CPU and CUDA, any dtype, the int8 KV cache; the reference every backend must match.
+- **cpu**: tokenfab's C kernels (tokenfab/kernels): RoPE and the K/V write in one pass over the qkv
+  rows, decode attention straight from the paged pools (no gather), and C RMSNorm / SiLU-and-multiply
+  in every layer. On a decode step of few rows whose linears all run `tf_qgemm` (the measured plan
+  says so; the default Q4_1 GGUF) it runs the whole decoder stack in one ctypes call
+  (`tf_decode_layers`): the same kernels in the same order, the same logits, without ~10 Python calls
+  per layer. Prefill attention stays on torch's SDPA. float32 on the CPU only; with the int8 KV cache
+  attention falls back to the torch path (the C norms stay).
+
+"auto" takes cpu where it can run (kernels built, CPU, float32), else torch. Every choice is made here,
+once; the forward pass never asks again.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from tokenfab import kernels
+from tokenfab.model.attention import AttentionMetadata, TorchPagedAttention
+
+ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def install(self, model) -> None:
+        """Set the per-module choices this backend implies (e.g. C norms), once."""
+
+    def attention(self, layer, qkv: torch.Tensor, rope, rope_tables, kv, meta: AttentionMetadata) -> torch.Tensor:
+        """qkv [T, (H + 2 KVH) D] (q/k norms applied) -> attention output [T, H, D]; writes the new K/V."""
+
+    def run_stack(self, model, x: torch.Tensor, kv_caches, meta: AttentionMetadata) -> bool:
+        """Run the whole decoder stack on x in place if this backend has a one-call path for this
+        step; False: the model runs its layers one by one."""
+
+    def describe(self) -> str:
+        ...
+
+
+class TorchBackend:
+    """The portable path: see the module docstring."""
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
+        self.paged = TorchPagedAttention(num_heads, num_kv_heads, head_dim, block_size)
+
+    def install(self, model) -> None:
+        _set_c_ops(model, False)
+
+    def attention(self, layer, qkv, rope, rope_tables, kv, meta):
+        T, h, kvh, d = qkv.shape[0], layer.h, layer.kvh, layer.d
+        v = qkv[:, layer.q_size + layer.kv_size:].view(T, kvh, d)
+        # q and k sit side by side in each row: rotate them in one go
+        qk = rope.apply(qkv[:, :layer.q_size + layer.kv_size].view(T, h + kvh, d), rope_tables)
+        return self.paged(qk[:, :h], qk[:, h:], v, kv[0], kv[1], meta)
+
+    def run_stack(self, model, x, kv_caches, meta) -> bool:
+        return False
+
+    def describe(self) -> str:
+        return "torch (gather + SDPA)"
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """Decodes read the float32 pools in place through tf_decode_attention; prefills use SDPA."""
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return kernels.decode_attention(q.reshape(q.shape[0], -1), k_cache, v_cache, meta.decode_block_tables,
+                                        meta.decode_context_lens, self.num_heads, self.num_kv_heads, self.scale)
+
+
+class CpuBackend(TorchBackend):
+    """tokenfab's C kernels: see the module docstring."""
+    name = "cpu"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, *,
+                 c_attention: bool = True, fused_decode: bool = True, fused_max_tokens: int = 16):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        self.c_attention = c_attention and head_dim <= kernels.MAX_HEAD_DIM
+        self.cpu_paged = CpuPagedAttention(num_heads, num_kv_heads, head_dim, block_size)
+        self.fused_decode = fused_decode and self.c_attention
+        self.fused_max_tokens = fused_max_tokens
+        self._stack: tuple | None = None    # (KV pools' address, rows, ctypes layers, kept tensors) or ()
+        self.stack_rows = 0                 # decode steps of up to this many rows take the one-call stack
+
+    def install(self, model) -> None:
+        _set_c_ops(model, True)
+        self._stack = None
+
+    def attention(self, layer, qkv, rope, rope_tables, kv, meta):
+        if not self.c_attention or meta.positions is None:
+            return super().attention(layer, qkv, rope, rope_tables, kv, meta)
+        qkv = qkv.contiguous()
+        T = qkv.shape[0]
+        kernels.rope_write_kv(qkv, layer.h, layer.kvh, layer.d, meta.positions, rope.cos, rope.sin_signed,
+                              kv[0], kv[1], meta.slot_mapping)
+        q = qkv[:, :layer.q_size].view(T, layer.h, layer.d)
+        k = qkv[:, layer.q_size:layer.q_size + layer.kv_size].view(T, layer.kvh, layer.d)
+        v = qkv[:, layer.q_size + layer.kv_size:].view(T, layer.kvh, layer.d)
+        return self.cpu_paged.attend(q, k, v, kv[0], kv[1], meta)
+
+    def run_stack(self, model, x, kv_caches, meta) -> bool:
+        if not self.fused_decode or meta.prefills or meta.positions is None or self._stack == ():
+            return False
+        key = kv_caches[0][0].data_ptr()
+        if self._stack is None or self._stack[0] != key:
+            self._stack = _build_stack(model, kv_caches, self.fused_max_tokens) or ()
+            self.stack_rows = self._stack[1] if self._stack else 0
+            if not self._stack:
+                return False
+        if x.shape[0] > self.stack_rows:
+            return False
+        cfg, paged = model.config, self.cpu_paged
+        kernels.decode_layers(x, self._stack[2], cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                              cfg.intermediate_size, model.norm.eps, meta.positions, model.rope.cos,
+                              model.rope.sin_signed, meta.slot_mapping, meta.decode_block_tables,
+                              meta.decode_context_lens, paged.block_size, paged.scale)
+        return True
+
+    def describe(self) -> str:
+        attn = "C decode attention, RoPE+KV write" if self.c_attention else "torch attention (int8 KV)"
+        stack = (f"one-call decode stack up to {self.stack_rows} rows" if self.stack_rows
+                 else "one-call decode stack " + ("checked at the first decode step" if self._stack is None else "off"))
+        return f"cpu ({attn}, C norms; {stack})" if self.fused_decode else f"cpu ({attn}, C norms)"
+
+
+def _set_c_ops(model, on: bool) -> None:
+    from tokenfab.model.layers import RMSNorm
+    from tokenfab.model.llama import MLP
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, MLP)):
+            m.c_kernel = on
+
+
+def _build_stack(model, kv_caches, cap: int) -> tuple | None:
+    """The ctypes layer table for kernels.decode_layers, and the most rows it may take: every layer a
+    plain pre-norm block (no bias, q/k norm or input scale) whose four linears' plans run tf_qgemm
+    from 1 row up; the rows are the smallest qgemm range among them, capped. None if it can't."""
+    from tokenfab.kernels.linear import KernelLinear
+    from tokenfab.kernels.tuning import default_plan
+
+    cfg = model.config
+    if cfg.qk_norm or cfg.qkv_bias or cfg.head_dim > kernels.MAX_HEAD_DIM or cfg.head_dim % 2:
+        return None
+    rows = cap
+    table = (kernels.Layer * len(model.layers))()
+    keep = []                          # the layouts' tensors: the table holds their addresses
+    for entry, layer, (k_cache, v_cache) in zip(table, model.layers, kv_caches):
+        if not isinstance(k_cache, torch.Tensor) or k_cache.dtype != torch.float32:
+            return None
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(n.eps != model.norm.eps or n.weight.dtype != torch.float32 for n in norms):
+            return None
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        layouts = []
+        for lin in linears:
+            if not isinstance(lin, KernelLinear) or lin.bias is not None or lin.input_scale_tensor is not None:
+                return None
+            if lin.plan is None:
+                lin.plan = default_plan(lin)
+            first = lin.plan.choices[0]
+            layout = first.state
+            if first.kernel.name != "qgemm" or layout[0].shape[1] * (2 if layout[4] == 4 else 1) != lin.in_features:
+                return None
+            if first.max_rows is not None:
+                rows = min(rows, first.max_rows)
+            layouts.append(kernels.QLinear.of(layout))
+            keep.append(layout)
+        entry.ln1, entry.ln2 = norms[0].weight.data_ptr(), norms[1].weight.data_ptr()
+        entry.qkv, entry.o, entry.gate_up, entry.down = layouts
+        entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+    return kv_caches[0][0].data_ptr(), rows, table, keep
+
+
+def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                           device: str, dtype: torch.dtype, kv_dtype: torch.dtype, fused_decode: bool = True,
+                           fused_max_tokens: int = 16) -> AttentionBackend:
+    """The backend `name` ("auto" | "torch" | "cpu") for this model and machine; ValueError saying why
+    when "cpu" is asked for where it cannot run."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+    why = None
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        why = "it needs float32 on the CPU"
+    elif not kernels.enabled():
+        why = "tokenfab's C kernels are not built (no C compiler, a failed build or TOKENFAB_CPU_KERNELS=0)"
+    dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    if name == "torch" or (name == "auto" and why):
+        return TorchBackend(**dims)
+    if why:
+        raise ValueError(f"attention_backend='cpu' cannot run here: {why}; use 'auto' or 'torch'")
+    return CpuBackend(**dims, c_attention=kv_dtype == torch.float32, fused_decode=fused_decode,
+                      fused_max_tokens=fused_max_tokens)
