@@ -45,7 +45,7 @@ def test_bad_prompt_in_a_batch_queues_nothing(bundled_llm):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(max_tokens=-1), "max_tokens must be an integer >= 0"),   # 0 scores the prompt only
     (dict(max_tokens=-3), "max_tokens"),
     (dict(temperature=-0.5), "temperature must be a number >= 0"),
     (dict(top_p=0.0), "top_p"),

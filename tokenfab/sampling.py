@@ -25,7 +25,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None          # number of top logprobs per generated token (0: only the chosen one)
-    prompt_logprobs: int | None = None   # not supported yet; rejected if set
+    prompt_logprobs: int | None = None   # top logprobs per prompt token (0: only the prompt token's own)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -45,8 +46,9 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", self.max_tokens, "an integer >= 1 (or None)")
+        # max_tokens 0 scores the prompt only (with prompt_logprobs): it finishes after the prefill.
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 0):
+            raise bad("max_tokens", self.max_tokens, "an integer >= 0 (or None)")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -73,8 +75,17 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", self.logprobs, "an integer in [0, 20]")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", self.prompt_logprobs, "an integer in [0, 20]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", self.logit_bias, "a dict of token id -> bias")
+            for t, b in self.logit_bias.items():
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    raise bad("logit_bias", t, "keyed by token ids >= 0")
+                if not _is_number(b) or not -100 <= b <= 100:
+                    raise bad("logit_bias", b, f"a bias in [-100, 100] (token {t})")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "SamplingParams":
