@@ -149,6 +149,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
         self.check_prompt_length(len(ids))
+        bad = next((t for t in params.logit_bias or () if t >= self.model_config.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias names token id {bad}, not in [0, {self.model_config.vocab_size})")
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.monotonic() if arrival_time is None else arrival_time
