@@ -2,7 +2,7 @@
 
 Types are strict (`"5"` is not an int) so a wrong type is a 400 naming the field. Unknown fields are
 accepted and ignored (clients such as LangChain send extras), and logged once by the server. Fields we
-know but cannot honour (`logit_bias`, `tools`, `suffix`, ...) are rejected with a 400 rather than
+know but cannot honour (`tools`, `suffix`, ...) are rejected with a 400 rather than
 silently ignored. Responses are plain dicts built by the route modules (cheaper per SSE chunk).
 """
 from __future__ import annotations
@@ -57,8 +57,6 @@ class SamplingFields(_Body):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for a field we know but cannot honour, else None."""
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if self.best_of is not None and self.best_of != (self.n or 1):
             return "best_of", "best_of is not supported (use n)"
         return None
