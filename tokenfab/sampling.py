@@ -4,6 +4,7 @@ Validated here, at the boundary; the engine trusts these values afterwards.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -53,8 +54,9 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise bad("temperature", self.temperature, "a number >= 0")
+        # Bounded so that logits / temperature stays finite in float32 (inf or NaN logits draw garbage).
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= 1e4:
+            raise bad("temperature", self.temperature, "a number >= 0 (and at most 1e4)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "in (0, 1]")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
@@ -65,8 +67,8 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_number(v) or not -2 <= v <= 2:
                 raise bad(name, v, "in [-2, 2]")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", self.repetition_penalty, "a number > 0")
+        if not _is_number(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 100:
+            raise bad("repetition_penalty", self.repetition_penalty, "a number in [0.01, 100]")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise bad("seed", self.seed, "an integer or None")
         if not all(isinstance(s, str) and s for s in self.stop):
@@ -98,4 +100,5 @@ class SamplingParams:
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # rejects NaN
+    """A finite int or float (JSON bodies can carry NaN and Infinity; Python's json reads them)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and (isinstance(v, int) or math.isfinite(v))

@@ -261,4 +261,6 @@ def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torc
     idx = torch.searchsorted(cdf, u, right=True)
     # u may round up to the total itself; then take the last token with weight.
     last = torch.searchsorted(cdf, total, right=False)
-    return torch.minimum(idx, last)[:, 0]
+    # A row with NaN weights (none pass validation; this is the backstop) must still yield a valid id:
+    # an id past the vocabulary would fail the next step's embedding, and every request in it.
+    return torch.minimum(idx, last).clamp_(max=cdf.shape[-1] - 1)[:, 0]
