@@ -142,8 +142,11 @@ class VersionResponse(_Out):
     version: str
 
 
-_SSE = {"text/event-stream": {"schema": {"type": "string"},
-                              "example": 'data: {"id": "...", "choices": [...]}\n\ndata: [DONE]\n\n'}}
+# One server-sent event (the shape OpenAPI 3.2's itemSchema gives events; schemathesis checks each).
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk (chat.completion.chunk or "
+                            "text_completion), an {\"error\": ...} object, or [DONE] at the end"}}}}}
 # (path, method) -> (request model or None, 200 response model or "text", streamed?, error statuses)
 _GENERATION_ERRORS = (400, 401, 404, 413, 429, 500, 503)
 ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, type[BaseModel] | str, bool, tuple[int, ...]]] = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
@@ -85,7 +85,11 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Any
+    prompt: Any = Field(json_schema_extra={"anyOf": [    # what _prompt accepts, for /openapi.json
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+         "minItems": 1}]})
     max_tokens: int | None = 16             # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = None
@@ -118,7 +122,10 @@ class TextPart(_Body):
 
 class ChatMessage(_Body):
     role: Role
-    content: Any = None
+    content: Any = Field(None, json_schema_extra={"anyOf": [     # what _content accepts, for /openapi.json
+        {"type": "string"}, {"type": "null"},
+        {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]})
     name: str | None = None
 
     @field_validator("content")
