@@ -45,7 +45,7 @@ def test_bad_prompt_in_a_batch_queues_nothing(bundled_llm):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(max_tokens=-1), "max_tokens must be an integer >= 0"),   # 0 scores the prompt only
     (dict(max_tokens=-3), "max_tokens"),
     (dict(temperature=-0.5), "temperature must be a number >= 0"),
     (dict(top_p=0.0), "top_p"),
@@ -129,3 +129,12 @@ def test_prompt_that_can_never_fit_in_the_pool_is_rejected_not_hung(bundled_file
     out = llm.generate([[28] * 60], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 4
     assert llm.engine.block_manager.num_used_blocks() == 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=float("inf")), dict(temperature=1e300),
+                                    dict(repetition_penalty=1e-132), dict(repetition_penalty=float("inf")),
+                                    dict(top_p=float("inf")), dict(min_p=float("nan"))])
+def test_sampling_values_that_would_make_logits_non_finite_are_rejected(kwargs):
+    # found by the API fuzz test: repetition_penalty 5e-132 turned logits into inf and drew an id past the vocabulary
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)

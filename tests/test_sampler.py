@@ -287,3 +287,38 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
 def test_sampled_token_is_a_plain_value():
     t = SampledToken(5, -0.1, {5: -0.1})
     assert (t.token_id, t.logprob, t.top_logprobs) == (5, -0.1, {5: -0.1})
+
+
+# ------------------------------------------------------------------------------------------ logit_bias
+def test_logit_bias_adds_to_the_named_tokens_only_in_its_own_row():
+    logits = random_logits(3, 30, seed=7)
+    biased = SamplingParams(temperature=0.0, logit_bias={5: 100.0, int(logits[0].argmax()): -100.0})
+    rows = [row(biased), row(SamplingParams(temperature=0.0)), row(SamplingParams(temperature=1.0, seed=1))]
+    out = Sampler([EOS], 30)(logits, rows)
+    assert out[0].token_id == 5
+    assert out[1].token_id == int(logits[1].argmax())
+    processed = Sampler([EOS], 30).process_logits(logits, rows)
+    assert torch.equal(processed[1:], logits[1:])
+    assert processed[0, 5] == logits[0, 5] + 100.0
+
+
+def test_logit_bias_minus_100_bans_a_token_from_random_draws():
+    logits = torch.zeros(1, 4)
+    p = SamplingParams(temperature=1.0, seed=0, logit_bias={0: -100.0, 1: -100.0})
+    gen = make_generator(0)
+    drawn = {Sampler([EOS], 4)(logits, [SampleRow(p, [], [], gen)])[0].token_id for _ in range(200)}
+    assert drawn == {2, 3}
+
+
+def test_logit_bias_logprobs_stay_those_of_the_raw_logits():
+    logits = random_logits(1, 20, seed=3)
+    p = SamplingParams(temperature=0.0, logprobs=1, logit_bias={4: 100.0})
+    out = Sampler([EOS], 20)(logits, [row(p)])[0]
+    assert out.token_id == 4
+    assert out.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[4].item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("bias", [{1: 100.5}, {1: -1e9}, {-1: 1.0}, {1: float("nan")}, {"1": 2.0}])
+def test_logit_bias_out_of_range_is_a_value_error(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)

@@ -205,7 +205,21 @@ BAD_INPUTS = {
     "invalid role": ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
                      "messages[0].role"),
     "token id out of range": ("/v1/completions", {"prompt": [1, 10**9]}, 400, "prompt"),
-    "unsupported logit_bias": ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    "huge logit_bias": ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1e9}}, 400, "logit_bias"),
+    "chat huge logit_bias": ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"5": -101}}, 400,
+                             "logit_bias"),
+    "logit_bias id out of range": ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400,
+                                   "logit_bias"),
+    "logit_bias key not an id": ("/v1/completions", {"prompt": "hi", "logit_bias": {"hello": 1}}, 400,
+                                 "logit_bias"),
+    "n over the cap": ("/v1/completions", {"prompt": "hi", "n": 100000}, 400, "n"),
+    "chat n over the cap": ("/v1/chat/completions", {"messages": CHAT, "n": 129}, 400, "n"),
+    "best_of unlike n": ("/v1/completions", {"prompt": "hi", "best_of": 10**6}, 400, "best_of"),
+    "too many sequences": ("/v1/completions", {"prompt": ["hi"] * 100, "n": 20}, 400, "prompt"),
+    "too many stop strings": ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 1000}, 400, "stop"),
+    "seed beyond 64 bits": ("/v1/completions", {"prompt": "hi", "seed": 2**80}, 400, "seed"),
+    "logprobs over 20": ("/v1/completions", {"prompt": "hi", "logprobs": 10**6}, 400, "logprobs"),
+    "chat max_tokens 0": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
     "unknown route": ("/v1/embeddings", {"input": "hi"}, 404, None),
 }
 
@@ -222,6 +236,13 @@ def test_bad_input_gets_status_and_openai_error_body_and_server_keeps_serving(ht
     assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["type"]
     assert "Traceback" not in r.text
     assert err["param"] == param
+    assert isinstance(err["code"], str) and err["code"], err     # machine-readable, never null
+    if case.endswith("too long") or case == "huge max_tokens":
+        assert err["code"] == "context_length_exceeded"
+    elif case == "best_of unlike n":
+        assert err["code"] == "unsupported"
+    elif param in ("logit_bias", "n", "stop", "seed", "logprobs", "max_tokens", "temperature"):
+        assert err["code"] == "invalid_value", err
     if case == "prompt too long":
         assert "2048" in err["message"] and any(w.isdigit() and int(w) > 2048 for w in err["message"].split())
     ok = http.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 1})

@@ -25,6 +25,8 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 def _sampling_params(args):
     from tokenfab.sampling import SamplingParams
+    if args.max_tokens < 1:   # SamplingParams takes 0 (score the prompt only); nothing to show here
+        raise ValueError(f"--max-tokens (max_tokens) must be at least 1, got {args.max_tokens}")
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,

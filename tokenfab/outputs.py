@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 class Logprob:
     logprob: float
     decoded_token: str | None = None
+    rank: int | None = None                 # 1 = the most likely token (prompt logprobs set it)
 
 
 @dataclass(slots=True)
@@ -41,6 +42,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
+    # {token_id: Logprob} holding that token and the top-n (as vLLM); filled in as the prefill runs.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None                # set when the request failed inside the engine
     extra: dict = field(default_factory=dict)

@@ -12,6 +12,7 @@ import torch
 
 from tokenfab.config import EngineConfig
 from tokenfab.engine.detokenizer import IncrementalDetokenizer
+from tokenfab.engine import prompt_logprobs
 from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.runner import ModelRunner
 from tokenfab.engine.sampler import Sampler, SampleRow
@@ -229,6 +230,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
         self.check_prompt_length(len(ids))
+        bad = next((t for t in params.logit_bias or () if t >= self.model_config.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias names token id {bad}, not in [0, {self.model_config.vocab_size})")
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -284,12 +288,17 @@ class LLMEngine:
         step = self.runner.prepare(batch)
         logits = self.runner.execute(step)
         rows = [SampleRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in step.sampling_seqs]
-        sampled = self.sampler(logits, rows) if rows else []
+        sampled = self.sampler(logits[:len(rows)], rows) if rows else []
         if self.thread_controller is not None:
             self.thread_controller.observe(sum(batch.num_new_tokens), time.perf_counter() - t_run)
+        if step.prompt_rows:
+            self._record_prompt_logprobs(logits[len(rows):], step.prompt_rows)
+        prompt_done = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
+            if seq.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
+                prompt_done.append(seq)     # prompt only (max_tokens 0): scored, nothing to sample
 
         now = time.monotonic()
         touched: dict[str, None] = {}
@@ -302,10 +311,22 @@ class LLMEngine:
                 seq.status = SequenceStatus.FINISHED_ERROR
                 self.scheduler.remove(seq)
             touched[seq.request_id] = None
+        for seq in prompt_done:
+            self._finish(seq, SequenceStatus.FINISHED_LENGTH, None)
+            touched[seq.request_id] = None
         outputs = [self._request_output(rid) for rid in touched]
         if shapes is not None:
             self.step_observer(shapes, t_start, time.perf_counter(), self.has_unfinished_requests())
         return outputs
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, runs: list[tuple[Sequence, int, int]]) -> None:
+        row = 0
+        for seq, lo, hi in runs:
+            assert lo == len(seq.prompt_logprobs), (lo, len(seq.prompt_logprobs))
+            seq.prompt_logprobs.extend(prompt_logprobs.entries(
+                logits[row:row + hi - lo], seq.prompt_token_ids[lo + 1:hi + 1], seq.params.prompt_logprobs,
+                self.model_config.vocab_size))
+            row += hi - lo
 
     def _append_token(self, seq: Sequence, tok, now: float) -> None:
         seq.token_ids.append(tok.token_id)
@@ -349,6 +370,7 @@ class LLMEngine:
         first_tok = min((s.first_token_time for s in seqs if s.first_token_time), default=None)
         out = RequestOutput(request_id, self.prompts.get(request_id), s0.prompt_token_ids, outs, finished,
                             num_cached_tokens=s0.num_cached_tokens,
+                            prompt_logprobs=[None, *s0.prompt_logprobs] if s0.params.prompt_logprobs is not None else None,
                             metrics=RequestMetrics(s0.arrival_time, s0.scheduled_time, first_tok,
                                                    time.monotonic() if finished else None))
         if finished:

@@ -49,8 +49,8 @@ class BlockManager:
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of `seq`, leaving at least one token to compute."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+            return []   # cached K/V would skip the positions whose logits score the prompt
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs   # at least one token must run to produce logits
         blocks: list[int] = []

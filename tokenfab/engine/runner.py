@@ -2,7 +2,9 @@
 
 The flat batch puts decodes (one new token) first, then prefill chunks, so the attention backend
 handles all decodes in one batched call. Logits are computed only at each sequence's last scheduled
-position, and only for sequences whose chunk reaches the end of their known tokens (they sample).
+position, and only for sequences whose chunk reaches the end of their known tokens (they sample),
+plus, for sequences asking for prompt logprobs, at every prompt position of their chunk (after the
+sampling rows; see prompt_logprobs.py). A prompt-only sequence (max_tokens 0) never samples.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenfab.engine.prompt_logprobs import rows_for_chunk
 from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.engine.sequence import Sequence
 from tokenfab.model.attention import AttentionMetadata, Int8KVCache, PrefillChunk
@@ -23,6 +26,8 @@ class StepInput:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampling_seqs: list[Sequence]   # the sequences that get a new token, in logits row order
+    # After the sampling rows: (sequence, first position, last position + 1) per prompt-logprobs run
+    prompt_rows: list[tuple[Sequence, int, int]]
 
 
 def reserve_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
@@ -62,6 +67,8 @@ class ModelRunner:
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
         prefills: list[PrefillChunk] = []
+        prompt_idx: list[int] = []
+        prompt_rows: list[tuple[Sequence, int, int]] = []
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start = seq.num_computed_tokens
@@ -76,9 +83,14 @@ class ModelRunner:
                 dec_lens.append(end)
             else:
                 prefills.append(PrefillChunk(q0, n, end, torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=self.device)))
-            if end == seq.num_tokens:
+            if end == seq.num_tokens and seq.max_tokens > 0:
                 logits_idx.append(len(ids) - 1)
                 sampling.append(seq)
+            if seq.needs_prompt_logprobs:
+                rows = rows_for_chunk(seq.num_prompt_tokens, len(seq.prompt_logprobs), start, end)
+                if rows:
+                    prompt_idx.extend(q0 + p - start for p in rows)
+                    prompt_rows.append((seq, rows.start, rows.stop))
         dev = self.device
         dec_bt = dec_ln = None
         max_ctx = 0
@@ -97,7 +109,8 @@ class ModelRunner:
             positions=torch.tensor(pos, dtype=torch.long, device=dev),
         )
         return StepInput(torch.tensor(ids, dtype=torch.long, device=dev), meta.positions,
-                         meta, torch.tensor(logits_idx, dtype=torch.long, device=dev), sampling)
+                         meta, torch.tensor(logits_idx + prompt_idx, dtype=torch.long, device=dev), sampling,
+                         prompt_rows)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:

@@ -3,6 +3,7 @@
 Pipeline per row, in vLLM's order:
   raw logits ─► logprobs (log_softmax of the *raw* logits, when asked)
              ─► min_tokens mask (EOS and stop_token_ids get -inf until min_tokens outputs)
+             ─► logit_bias (added to the named tokens' logits)
              ─► repetition penalty (prompt + output tokens), frequency/presence penalties (output tokens)
              ─► greedy rows: argmax
              ─► random rows: temperature ─► min-p ─► top-k ─► top-p ─► draw
@@ -47,7 +48,7 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 
 
 def _plain_greedy(p: SamplingParams, num_output: int) -> bool:
-    return (p.temperature < 1e-5 and p.logprobs is None and p.repetition_penalty == 1.0
+    return (p.temperature < 1e-5 and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and num_output >= p.min_tokens)
 
 
@@ -76,7 +77,7 @@ class Sampler:
 
     # ----------------------------------------------------------------------------------------------
     def process_logits(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """min_tokens masking and penalties; returns a new tensor when anything changes.
+        """min_tokens masking, logit_bias and penalties; returns a new tensor when anything changes.
 
         Temperature and truncation are not applied here: they belong to the draw (see `_draw`).
         """
@@ -92,11 +93,16 @@ class Sampler:
                 mask_toks += banned
         pen = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0
                or r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
-        if not mask_rows and not pen:
+        bias = [(i, t, b) for i, r in enumerate(rows) if r.params.logit_bias
+                for t, b in r.params.logit_bias.items() if t < logits.shape[1]]
+        if not mask_rows and not pen and not bias:
             return logits
         logits = logits.clone(memory_format=torch.contiguous_format)
         if mask_rows:
             logits[torch.tensor(mask_rows), torch.tensor(mask_toks)] = float("-inf")
+        if bias:
+            b_rows, b_toks, b_vals = zip(*bias)
+            logits[torch.tensor(b_rows), torch.tensor(b_toks)] += torch.tensor(b_vals, dtype=logits.dtype, device=logits.device)
         if pen:
             self._apply_penalties(logits, rows, pen)
         return logits
@@ -255,4 +261,6 @@ def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torc
     idx = torch.searchsorted(cdf, u, right=True)
     # u may round up to the total itself; then take the last token with weight.
     last = torch.searchsorted(cdf, total, right=False)
-    return torch.minimum(idx, last)[:, 0]
+    # A row with NaN weights (none pass validation; this is the backstop) must still yield a valid id:
+    # an id past the vocabulary would fail the next step's embedding, and every request in it.
+    return torch.minimum(idx, last).clamp_(max=cdf.shape[-1] - 1)[:, 0]

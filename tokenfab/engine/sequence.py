@@ -47,6 +47,7 @@ class Sequence:
     generator: torch.Generator | None = None
     detokenizer: object | None = None
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)  # entries for prompt tokens 1.. (prompt_logprobs.py)
     first_token_time: float | None = None
     scheduled_time: float | None = None  # first time it was scheduled (queue time ends)
     num_preemptions: int = 0
@@ -70,6 +71,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Some prompt token still lacks the logprob this sequence must report (only sample 0 reports)."""
+        return (self.params.prompt_logprobs is not None and self.index == 0
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def finish_reason(self) -> str | None:

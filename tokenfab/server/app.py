@@ -22,8 +22,10 @@ from tokenfab.server.errors import APIError, install_error_handlers
 from tokenfab.server.metrics import CONTENT_TYPE, ServerMetrics
 from tokenfab.server.middleware import AccessLog, APIKeyAuth, BodySizeLimit
 from tokenfab.server.protocol import DetokenizeRequest, TokenizeRequest
+from tokenfab.server.openapi import install_openapi
 from tokenfab.server.state import ServerState
 from tokenfab.server.ui import add_ui_routes
+from tokenfab.server.tokenizer_info import tokenizer_info
 
 log = logging.getLogger("tokenfab.server")
 
@@ -65,6 +67,7 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     add_doctor_route(app, state)
     if config.ui:
         add_ui_routes(app)
+    install_openapi(app)
 
     # add_middleware wraps outside-in in reverse order of the calls: the last added runs first.
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
@@ -78,8 +81,17 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
+def _get_and_head(app: FastAPI, path: str):
+    """A GET route that answers HEAD too (probes, and clients that check before they fetch). Two routes,
+    not one with two methods, so each gets its own OpenAPI operation id."""
+    def register(fn):
+        app.head(path)(fn)
+        return app.get(path)(fn)
+    return register
+
+
 def _add_small_routes(app: FastAPI, st: ServerState) -> None:
-    @app.get("/health")
+    @_get_and_head(app, "/health")
     async def health() -> Response:
         if st.async_engine.dead_reason is not None or not st.async_engine.is_alive:
             reason = st.async_engine.dead_reason or "the engine loop is not running"
@@ -88,33 +100,37 @@ def _add_small_routes(app: FastAPI, st: ServerState) -> None:
             return APIError(503, "shutting down", code="shutting_down").response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/version")
+    @_get_and_head(app, "/version")
     async def version() -> dict:
         return {"version": tokenfab.__version__}
 
-    @app.get("/v1/models")
+    @_get_and_head(app, "/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": st.created, "owned_by": "tokenfab",
              "root": getattr(st.engine, "model_path", None), "max_model_len": st.max_model_len}
             for name in st.model_names]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @_get_and_head(app, "/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
         st.check_model(model_id)
         return {"id": model_id, "object": "model", "created": st.created, "owned_by": "tokenfab",
                 "max_model_len": st.max_model_len}
 
-    @app.get("/metrics")
+    @_get_and_head(app, "/metrics")
     async def metrics() -> Response:
         return Response(st.metrics.render(), media_type=CONTENT_TYPE)
+
+    @_get_and_head(app, "/tokenizer_info")
+    async def get_tokenizer_info() -> dict:
+        return tokenizer_info(st.tokenizer, st.max_model_len)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         req: TokenizeRequest = await st.parse(request, TokenizeRequest)
         st.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt", code="invalid_value")
         if req.messages is not None:
             ids = chat.conversation_ids(st, req.messages, req.add_generation_prompt)
         else:
@@ -128,5 +144,5 @@ def _add_small_routes(app: FastAPI, st: ServerState) -> None:
         vocab = st.engine.model_config.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
-            raise APIError(400, f"token id {bad} is not in [0, {vocab})", param="tokens")
+            raise APIError(400, f"token id {bad} is not in [0, {vocab})", param="tokens", code="invalid_value")
         return {"prompt": st.tokenizer.decode(req.tokens)}

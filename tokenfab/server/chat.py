@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenfab.llm import chat_token_ids
 from tokenfab.server.errors import APIError
+from tokenfab.server.limits import check_request, logit_bias_ids
 from tokenfab.server.logprobs import chat_logprobs
 from tokenfab.server.protocol import ChatCompletionRequest
 from tokenfab.server.state import ClientGone, ServerState, usage
@@ -25,11 +26,12 @@ def conversation_ids(st: ServerState, messages, add_generation_prompt: bool = Tr
     try:
         ids = chat_token_ids(st.tokenizer, [m.as_template_input() for m in messages], add_generation_prompt)
     except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
+        raise APIError(400, str(e), param="messages", code="invalid_value") from None
     except Exception as e:                  # a template that fails on this input (jinja raise_exception)
-        raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
+        raise APIError(400, f"the chat template rejected these messages: {e}", param="messages",
+                       code="invalid_value") from None
     if not ids:
-        raise APIError(400, "the chat template produced an empty prompt", param="messages")
+        raise APIError(400, "the chat template produced an empty prompt", param="messages", code="invalid_value")
     return ids
 
 
@@ -42,12 +44,17 @@ async def create_chat_completion(request: Request) -> Response:
     st.check_supported(req)
     st.check_priority(req.priority)
     if req.top_logprobs is not None and not req.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    vocab = st.engine.model_config.vocab_size
+    check_request(req, st.config, 1, vocab)
     ids = conversation_ids(st, req.messages, req.add_generation_prompt)
     max_tokens, max_param = req.requested_max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"{max_param} must be at least 1, got {max_tokens}", param=max_param, code="invalid_value")
     st.check_length(len(ids), max_tokens, "messages", max_param)
     top_n = (req.top_logprobs or 0) if req.logprobs else None
-    params = st.sampling_params({**req.sampling_kwargs(), "max_tokens": max_tokens, "logprobs": top_n},
+    params = st.sampling_params({**req.sampling_kwargs(), "max_tokens": max_tokens, "logprobs": top_n,
+                                 "logit_bias": logit_bias_ids(req.logit_bias, vocab)},
                                 renames={"max_tokens": max_param, "logprobs": "top_logprobs"})
 
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -88,10 +95,16 @@ async def _stream(st: ServerState, req: ChatCompletionRequest, rid: str, stream,
             body["usage"] = usage(prompt_tokens, completion_tokens)
         return body
 
-    # The role first, as OpenAI does; the only chunk whose content is empty.
-    yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in range(n)], 0 if req.continuous_usage else None))
+    role_sent = False
     async for out in stream:
+        if not role_sent:
+            # The role first, as OpenAI does (the only chunk whose content is empty), but only once the
+            # first token exists: as vLLM, so a client timing its first chunk measures the real TTFT.
+            role_sent = True
+            if access.get("ttft_s") is None:
+                access["ttft_s"] = time.monotonic() - arrival
+            yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(n)], 0 if req.continuous_usage else None))
         for o in out.outputs:
             delta = deltas[o.index].advance(o)
             if delta is None:

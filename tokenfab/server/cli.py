@@ -44,6 +44,10 @@ def add_parser(subparsers) -> None:
                         "beside --threads-batch; 0 or unset = always all")
     g.add_argument("--no-ui", dest="ui", action="store_false",
                    help="do not serve the web page (chat, live dashboard, bench viewer, doctor) at /")
+    g.add_argument("--max-n", type=int, default=128,
+                   help="most choices (n, best_of) one request may ask for; more get 400 (default: 128, OpenAI's)")
+    g.add_argument("--max-request-sequences", type=int, default=1024,
+                   help="most sequences (prompts x n) one request may start; more get 400 (default: 1024)")
     g.add_argument("--step-log", metavar="FILE.jsonl",
                    help="append one JSON line per engine step (shape and wall time): a measured step table for "
                         "`tokenfab plan capacity --step-table` and `plan validate`")
@@ -62,7 +66,7 @@ def server_config_from_args(args: argparse.Namespace):
                           max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
                           allowed_origins=list(args.allowed_origins or []), shutdown_timeout=args.shutdown_timeout,
                           access_log=args.access_log, small_batch_threads=small_batch_threads(args.small_batch_threads),
-                          ui=args.ui)
+                          ui=args.ui, max_n=args.max_n, max_request_sequences=args.max_request_sequences)
     config.validate()
     return config
 

@@ -1,7 +1,11 @@
 """POST /v1/completions: prompts (text, token ids, or lists of either) in, text out, streamed or not.
 
 Several prompts become one engine request each; choice `index` is prompt_index * n + sample_index,
-as OpenAI numbers them. `echo` puts the prompt in front of each choice's text.
+as OpenAI numbers them. `echo` puts the prompt in front of each choice's text; with `logprobs` it
+puts the prompt tokens' logprobs (computed in the prefill: SamplingParams.prompt_logprobs) in front
+of the completion's, the first one null, as OpenAI's legacy format has it. `max_tokens: 0` generates
+nothing (finish_reason "length"): with `echo` and `logprobs`, it scores the prompt alone (lm-eval's
+loglikelihood requests).
 """
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenfab.server.errors import APIError
-from tokenfab.server.logprobs import completion_logprobs
+from tokenfab.server.limits import check_request, logit_bias_ids
+from tokenfab.server.logprobs import completion_logprobs, echo_logprobs
 from tokenfab.server.protocol import CompletionRequest
 from tokenfab.server.state import ClientGone, ServerState, usage
 from tokenfab.server.streaming import ChoiceDelta, framed, merged, sse, sse_response
@@ -28,16 +33,17 @@ async def create_completion(request: Request) -> Response:
     st.check_model(req.model)
     st.check_supported(req)
     if req.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs needs prompt logprobs, which this server does not compute",
-                       param="echo")
+        raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
     st.check_priority(req.priority)
     prompts = req.prompts()
+    vocab = st.engine.model_config.vocab_size
+    check_request(req, st.config, len(prompts), vocab)
     prompt_ids = [st.prompt_ids(p, "prompt") for p in prompts]
     for ids in prompt_ids:
         st.check_length(len(ids), req.max_tokens, "prompt", "max_tokens")
-    params = st.sampling_params({**req.sampling_kwargs(), "max_tokens": req.max_tokens, "logprobs": req.logprobs})
+    prompt_lps = req.logprobs if req.echo and req.logprobs is not None else None
+    params = st.sampling_params({**req.sampling_kwargs(), "max_tokens": req.max_tokens, "logprobs": req.logprobs,
+                                 "prompt_logprobs": prompt_lps, "logit_bias": logit_bias_ids(req.logit_bias, vocab)})
 
     rid = f"cmpl-{uuid.uuid4().hex}"
     access = request.state.access = {"id": rid, "prompt_tokens": sum(map(len, prompt_ids)), "output_tokens": 0}
@@ -59,7 +65,10 @@ async def create_completion(request: Request) -> Response:
             completion_tokens += len(o.token_ids)
             lps = None
             if req.logprobs is not None:
-                lps, _ = completion_logprobs(st.token_text, o.token_ids, o.logprobs or [], req.logprobs, 0)
+                start = len(echoes[i]) if echoes else 0
+                lps, _ = completion_logprobs(st.token_text, o.token_ids, o.logprobs or [], req.logprobs, start)
+                if echoes:
+                    lps = echo_logprobs(st.token_text, prompt_ids[i], out.prompt_logprobs, req.logprobs, lps, start)
             choices.append({"index": i * params.n + o.index, "text": (echoes[i] if echoes else "") + o.text,
                             "logprobs": lps, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
     first_tokens = [o.metrics.first_token_time for o in finals if o.metrics and o.metrics.first_token_time]
@@ -91,14 +100,17 @@ async def _stream(st: ServerState, req: CompletionRequest, rid: str, streams, pr
             delta = d.advance(o)
             if delta is None:
                 continue
-            text = delta.text
-            if d.first and echoes:
+            text, first = delta.text, d.first
+            if first and echoes:
                 text = echoes[i] + text
             d.first = False
             lps = None
             if req.logprobs is not None:
+                start = offsets.get(k, len(echoes[i]) if echoes else 0)
                 lps, offsets[k] = completion_logprobs(st.token_text, delta.token_ids, delta.logprobs,
-                                                      req.logprobs, offsets.get(k, 0))
+                                                      req.logprobs, start)
+                if first and echoes:     # the prompt's logprobs go out with the echoed prompt
+                    lps = echo_logprobs(st.token_text, prompt_ids[i], out.prompt_logprobs, req.logprobs, lps, start)
             if access.get("ttft_s") is None and text:
                 access["ttft_s"] = time.monotonic() - arrival
             access["output_tokens"] = sum(c.token_count for c in deltas.values())

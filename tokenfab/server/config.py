@@ -19,6 +19,8 @@ class ServerConfig:
     access_log: bool = True
     small_batch_threads: int | None = None   # torch threads for steps of few sequences; None: torch's setting
     ui: bool = True                          # the web page at / (chat, dashboard, bench viewer, doctor)
+    max_n: int = 128                         # choices per request (OpenAI's limit); more get 400
+    max_request_sequences: int = 1024        # prompts x n one request may start; more get 400
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -29,5 +31,8 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if self.max_n < 1 or self.max_request_sequences < 1:
+            raise ValueError(f"max_n and max_request_sequences must be >= 1, got {self.max_n}, "
+                             f"{self.max_request_sequences}")
         if any(not k for k in self.api_keys):
             raise ValueError("an API key must not be empty")

@@ -21,6 +21,10 @@ log = logging.getLogger("tokenfab.server")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
+# The code a raise site that names none gets, so no error body carries "code": null.
+DEFAULT_CODES = {400: "invalid_value", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
+                 405: "method_not_allowed", 413: "request_too_large", 429: "rate_limited", 500: "internal_error",
+                 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -30,7 +34,7 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
+        self.code = code or DEFAULT_CODES.get(status, "error")
         self.type = type or ERROR_TYPES.get(status, "invalid_request_error")
         self.headers = headers
 
@@ -46,7 +50,8 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 def error_bytes(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
-    return json.dumps(error_body(message, ERROR_TYPES.get(status, "invalid_request_error"), param, code)).encode()
+    return json.dumps(error_body(message, ERROR_TYPES.get(status, "invalid_request_error"), param,
+                                 code or DEFAULT_CODES.get(status, "error"))).encode()
 
 
 def loc_to_param(loc: tuple | list) -> str | None:

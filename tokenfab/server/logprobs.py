@@ -76,11 +76,18 @@ def completion_logprobs(tt: TokenText, token_ids: list[int], entries: list[dict[
                         text_offset: int) -> tuple[dict, int]:
     """Legacy completions format for these tokens, and the text offset after them.
 
-    As vLLM does, each `top_logprobs` entry holds the top `top_n` plus the chosen token."""
+    As vLLM does, each `top_logprobs` entry holds the top `top_n` plus the chosen token. An entry of
+    None (the first prompt token under `echo`, which nothing predicts) gives null logprobs."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, entry in zip(token_ids, entries):
         text = tt.text(tid)
         tokens.append(text)
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+            offsets.append(text_offset)
+            text_offset += len(text)
+            continue
         token_lps.append(entry[tid].logprob if tid in entry else None)
         top = {tt.text(t): lp for t, lp in _top(entry, top_n)}
         if tid in entry:
@@ -89,6 +96,18 @@ def completion_logprobs(tt: TokenText, token_ids: list[int], entries: list[dict[
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, text_offset
+
+
+def echo_logprobs(tt: TokenText, prompt_ids: list[int], prompt_logprobs: list | None, top_n: int,
+                  completion: dict, echo_chars: int) -> dict:
+    """`echo` with `logprobs`: the prompt's tokens (the first one's logprob null) in front of the
+    completion's. The completion's text offsets already start after the echoed text (`echo_chars`)."""
+    entries = list(prompt_logprobs or [])
+    entries += [None] * (len(prompt_ids) - len(entries))
+    prompt, _ = completion_logprobs(tt, prompt_ids, entries, top_n, 0)
+    if not completion["tokens"]:
+        return prompt
+    return {k: prompt[k] + completion[k] for k in prompt} | {"text_offset": prompt["text_offset"] + completion["text_offset"]}
 
 
 def chat_logprobs(tt: TokenText, token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int) -> dict:

@@ -2,14 +2,14 @@
 
 Types are strict (`"5"` is not an int) so a wrong type is a 400 naming the field. Unknown fields are
 accepted and ignored (clients such as LangChain send extras), and logged once by the server. Fields we
-know but cannot honour (`logit_bias`, `tools`, `suffix`, ...) are rejected with a 400 rather than
+know but cannot honour (`tools`, `suffix`, ...) are rejected with a 400 rather than
 silently ignored. Responses are plain dicts built by the route modules (cheaper per SSE chunk).
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
@@ -57,8 +57,6 @@ class SamplingFields(_Body):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for a field we know but cannot honour, else None."""
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if self.best_of is not None and self.best_of != (self.n or 1):
             return "best_of", "best_of is not supported (use n)"
         return None
@@ -87,7 +85,11 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Any
+    prompt: Any = Field(json_schema_extra={"anyOf": [    # what _prompt accepts, for /openapi.json
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+         "minItems": 1}]})
     max_tokens: int | None = 16             # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = None
@@ -120,7 +122,10 @@ class TextPart(_Body):
 
 class ChatMessage(_Body):
     role: Role
-    content: Any = None
+    content: Any = Field(None, json_schema_extra={"anyOf": [     # what _content accepts, for /openapi.json
+        {"type": "string"}, {"type": "null"},
+        {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]})
     name: str | None = None
 
     @field_validator("content")

@@ -101,7 +101,7 @@ class ServerState:
         try:
             return self.engine.tokenize(prompt)
         except ValueError as e:
-            raise APIError(400, str(e), param=param) from None
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
 
     def check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str, max_param: str) -> None:
         limit = self.max_model_len
@@ -125,13 +125,13 @@ class ServerState:
             if param and renames and param in renames:
                 msg = msg.replace(param, renames[param], 1)
                 param = renames[param]
-            raise APIError(400, msg, param=param) from None
+            raise APIError(400, msg, param=param, code="invalid_value") from None
 
     def check_priority(self, priority: int) -> None:
         policy = getattr(getattr(self.engine, "config", None), "scheduling_policy", "fcfs")
         if priority != 0 and policy != "priority":
             raise APIError(400, "priority needs the server started with --scheduling-policy priority",
-                           param="priority")
+                           param="priority", code="unsupported")
 
     # -- running ---------------------------------------------------------------------------------
     async def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
@@ -151,7 +151,7 @@ class ServerState:
             if isinstance(e, EngineDeadError):
                 raise APIError(503, str(e), code="engine_dead") from None
             if isinstance(e, ValueError):
-                raise APIError(400, str(e)) from None
+                raise APIError(400, str(e), code="invalid_value") from None
             if isinstance(e, RequestFailed):
                 raise APIError(500, str(e), code="engine_error") from None
             raise
