@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenfab.structured_output import StructuredOutputParams
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -27,8 +29,10 @@ class SamplingParams:
     logprobs: int | None = None          # number of top logprobs per generated token (0: only the chosen one)
     prompt_logprobs: int | None = None   # not supported yet; rejected if set
     skip_special_tokens: bool = True
+    structured_output: StructuredOutputParams | None = None   # a schema/regex/choice/grammar the output matches
 
     def __post_init__(self) -> None:
+        self.structured_output = StructuredOutputParams.coerce(self.structured_output)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

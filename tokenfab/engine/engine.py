@@ -16,6 +16,7 @@ from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.runner import ModelRunner
 from tokenfab.engine.sampler import Sampler, SampleRow
 from tokenfab.engine.scheduler import Scheduler
+from tokenfab.engine.structured import GrammarCompiler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.model.attention import kv_bytes_per_token
 from tokenfab.model.layers import pack_linears
@@ -104,6 +105,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype, config.device)
         self.eos_token_ids = list(mcfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, mcfg.vocab_size)
+        self.structured = GrammarCompiler(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.prompt_tokens_total = 0
@@ -150,6 +152,7 @@ class LLMEngine:
         self.check_prompt_length(len(ids))
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        grammar = self.structured.compile(params.structured_output) if params.structured_output else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
         for i in range(params.n):
@@ -157,6 +160,8 @@ class LLMEngine:
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed + i)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
+            if grammar is not None:
+                seq.grammar = grammar.matcher()
             seqs.append(seq)
         self.requests[request_id] = seqs
         self.prompts[request_id] = prompt if isinstance(prompt, str) else None
@@ -200,9 +205,10 @@ class LLMEngine:
         if self.before_execute is not None:
             self.before_execute(sum(batch.num_new_tokens))
         step = self.runner.prepare(batch)
+        masks = self.structured.masks(step.sampling_seqs)   # structured output; overlaps the model if enabled
         logits = self.runner.execute(step)
         rows = [SampleRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in step.sampling_seqs]
-        sampled = self.sampler(logits, rows) if rows else []
+        sampled = self.sampler(logits, rows, masks.result() if masks else None) if rows else []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
@@ -239,9 +245,14 @@ class LLMEngine:
             # The stopping token's own text stays out of the output, as in vLLM.
             self._finish(seq, SequenceStatus.FINISHED_STOPPED, tid if tid in p.stop_token_ids else None)
             return
+        if seq.grammar is not None and not seq.grammar.consume_token(tid):
+            raise RuntimeError(f"token {tid} broke the structured-output grammar: {seq.grammar.get_error()}")
         _, stop_str = seq.detokenizer.step([tid])
         if stop_str is not None:
             self._finish(seq, SequenceStatus.FINISHED_STOPPED, stop_str)
+        elif seq.grammar is not None and seq.grammar.is_stopped():
+            # The grammar is complete and allows only EOS: end now rather than spend a step sampling it.
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED, None)
         elif n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, SequenceStatus.FINISHED_LENGTH, None)
 
