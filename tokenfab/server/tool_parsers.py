@@ -106,10 +106,10 @@ class HermesStream:
                 i = self.buf.find(self.p.start)
                 if i < 0:
                     keep = _partial_suffix(self.buf, self.p.start)
-                    content += self.buf[: len(self.buf) - keep]
+                    content += self._content(self.buf[: len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep:]
                     break
-                content += self.buf[:i]
+                content += self._content(self.buf[:i])
                 self.buf = self.buf[i + len(self.p.start):]
                 self.in_call, self.body, self.sent_args, self.args_at = True, "", 0, None
                 continue
@@ -122,8 +122,8 @@ class HermesStream:
             self.buf = self.body[j + len(self.p.end):]
             self.body = self.body[:j]
             c, d = self._close()
-            content, deltas = content + c, deltas + d
-        return self._content(content), merge_deltas(deltas)
+            content, deltas = content + self._content(c), deltas + d
+        return content, merge_deltas(deltas)
 
     def finish(self) -> tuple[str, list[dict]]:
         content, deltas = "", []
