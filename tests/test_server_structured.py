@@ -25,6 +25,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}}]
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+MODEL = "SmolLM2-135M-Instruct"
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -84,11 +85,11 @@ def test_response_format_json_schema_validates_streamed_and_not(client):
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     msgs = [{"role": "user", "content": "Describe a person as JSON."}]
     for seed in range(2):
-        r = client.chat.completions.create(model="m", messages=msgs, response_format=rf, max_tokens=80,
+        r = client.chat.completions.create(model=MODEL, messages=msgs, response_format=rf, max_tokens=80,
                                            temperature=1.0, seed=seed)
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
-    s = client.chat.completions.create(model="m", messages=msgs, response_format=rf, max_tokens=80, temperature=0,
+    s = client.chat.completions.create(model=MODEL, messages=msgs, response_format=rf, max_tokens=80, temperature=0,
                                        stream=True)
     content, calls, finish = collect_stream(s)
     assert finish == "stop" and not calls
@@ -96,19 +97,19 @@ def test_response_format_json_schema_validates_streamed_and_not(client):
 
 
 def test_json_object_and_guided_extras_on_both_endpoints(client):
-    r = client.chat.completions.create(model="m", messages=ASK, response_format={"type": "json_object"},
+    r = client.chat.completions.create(model=MODEL, messages=ASK, response_format={"type": "json_object"},
                                        max_tokens=80, temperature=0)
     assert isinstance(json.loads(r.choices[0].message.content), dict)
-    r = client.completions.create(model="m", prompt="Is water wet? Answer:", max_tokens=5, temperature=1.0, seed=1,
+    r = client.completions.create(model=MODEL, prompt="Is water wet? Answer:", max_tokens=5, temperature=1.0, seed=1,
                                   extra_body={"guided_choice": ["yes", "no"]})
     assert r.choices[0].text in ("yes", "no")
-    r = client.completions.create(model="m", prompt="A person:", max_tokens=80, temperature=0,
+    r = client.completions.create(model=MODEL, prompt="A person:", max_tokens=80, temperature=0,
                                   extra_body={"guided_json": PERSON})
     jsonschema.validate(json.loads(r.choices[0].text), PERSON)
-    r = client.chat.completions.create(model="m", messages=ASK, max_tokens=20, temperature=1.0, seed=2,
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, temperature=1.0, seed=2,
                                        extra_body={"guided_regex": r"[A-Z][a-z]{2,8} is (sunny|rainy)\."})
     assert r.choices[0].message.content.split(" is ")[1] in ("sunny.", "rainy.")
-    r = client.completions.create(model="m", prompt="Digits:", max_tokens=20, temperature=1.0, seed=3,
+    r = client.completions.create(model=MODEL, prompt="Digits:", max_tokens=20, temperature=1.0, seed=3,
                                   extra_body={"guided_grammar": 'root ::= [0-9] [0-9] [0-9]'})
     assert len(r.choices[0].text) == 3 and r.choices[0].text.isdigit()
 
@@ -117,13 +118,13 @@ def test_json_object_and_guided_extras_on_both_endpoints(client):
 
 def test_required_always_yields_valid_calls_streamed_and_not(client):
     for seed in range(3):
-        r = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required",
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
                                            max_tokens=120, temperature=1.0, seed=seed)
         ch = r.choices[0]
         assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, ch
         assert all(c.id.startswith("call_") and c.type == "function" for c in ch.message.tool_calls)
         valid_calls(ch.message.tool_calls)
-        s = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required",
+        s = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
                                            max_tokens=120, temperature=1.0, seed=seed, stream=True)
         content, calls, finish = collect_stream(s)
         assert finish == "tool_calls" and calls and not content.strip()
@@ -133,25 +134,25 @@ def test_required_always_yields_valid_calls_streamed_and_not(client):
 
 def test_named_tool_choice_calls_exactly_that_function(client):
     choice = {"type": "function", "function": {"name": "add"}}
-    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "What is 2 plus 3?"}],
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is 2 plus 3?"}],
                                        tools=TOOLS, tool_choice=choice, max_tokens=60, temperature=0)
     assert [n for n, _ in valid_calls(r.choices[0].message.tool_calls)] == ["add"]
 
 
 def test_a_conversation_with_tool_results_continues(client):
-    r = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required",
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
                                        parallel_tool_calls=False, max_tokens=80, temperature=0)
     msg = r.choices[0].message
     assert len(msg.tool_calls) == 1
     history = ASK + [msg.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"temperature": 18, "sky": "sunny"}'}]
-    final = client.chat.completions.create(model="m", messages=history, tools=TOOLS, max_tokens=40, temperature=0)
+    final = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=40, temperature=0)
     assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert final.choices[0].message.content or final.choices[0].message.tool_calls
 
 
 def test_tool_choice_none_answers_in_text(client):
-    r = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=16,
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=16,
                                        temperature=0)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 

@@ -101,9 +101,9 @@ def test_choice_regex_and_grammar_outputs_match_their_spec(bundled_llm):
 
 def test_json_object_gives_a_json_object(bundled_llm):
     prompt = prompt_for(bundled_llm, "person")
-    outs = bundled_llm.generate([prompt] * 3, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=s,
+    outs = bundled_llm.generate([prompt] * 2, [SamplingParams(max_tokens=MAX_TOKENS, temperature=t, seed=1,
                                                               structured_output={"json_object": True})
-                                               for s in range(3)], use_tqdm=False)
+                                               for t in (0.0, 0.7)], use_tqdm=False)
     for o in outs:
         assert o.outputs[0].finish_reason == "stop" and isinstance(json.loads(o.outputs[0].text), dict)
 
@@ -126,13 +126,12 @@ def test_mask_composes_with_logprobs_penalties_and_top_k(bundled_llm, bundled_to
 
 def test_overlapped_masks_give_the_same_tokens(bundled_llm):
     prompt = prompt_for(bundled_llm, "order")
-    p = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, structured_output=Structured(json=SCHEMAS["order"]))
-         for s in range(2)]
+    p = SamplingParams(max_tokens=24, temperature=1.0, seed=5, structured_output=Structured(json=SCHEMAS["order"]))
     compiler = bundled_llm.engine.structured
-    want = [o.outputs[0].token_ids for o in bundled_llm.generate([prompt] * 2, p, use_tqdm=False)]
+    want = bundled_llm.generate(prompt, p, use_tqdm=False)[0].outputs[0].token_ids
     compiler.overlap = True
     try:
-        got = [o.outputs[0].token_ids for o in bundled_llm.generate([prompt] * 2, p, use_tqdm=False)]
+        got = bundled_llm.generate(prompt, p, use_tqdm=False)[0].outputs[0].token_ids
     finally:
         compiler.overlap = False
     assert got == want
@@ -150,8 +149,9 @@ BAD_SPECS = {
 @pytest.mark.parametrize("case", list(BAD_SPECS))
 def test_uncompilable_spec_is_a_value_error_naming_the_problem_and_queues_nothing(bundled_llm, case):
     spec, word = BAD_SPECS[case]
-    with pytest.raises(ValueError, match=re.escape(word)):
-        bundled_llm.generate("hi", SamplingParams(max_tokens=4, structured_output=spec), use_tqdm=False)
+    good = SamplingParams(max_tokens=4)
+    with pytest.raises(ValueError, match=re.escape(word)):   # the good first prompt is not queued either
+        bundled_llm.generate(["hi", "hi"], [good, SamplingParams(max_tokens=4, structured_output=spec)], use_tqdm=False)
     assert not bundled_llm.engine.has_unfinished_requests()
     assert bundled_llm.engine.block_manager.num_used_blocks() == 0
 
