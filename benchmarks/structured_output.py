@@ -54,10 +54,12 @@ def run(llm: LLM, prompt: list[int], streams: int, tokens: int, constrained: boo
         if len(shapes) == streams and all(n == 1 for _, n in shapes):
             steps.append(end - start)
 
-    fill, apply = Timer(), Timer()
+    fill, apply, fwd, smp = Timer(), Timer(), Timer(), Timer()
     masks, apply_fn = eng.structured.masks, sampler_mod.apply_token_bitmask
+    execute, sampler = eng.runner.execute, eng.sampler
     eng.structured.masks = fill.wrap(masks)
     sampler_mod.apply_token_bitmask = apply.wrap(apply_fn)
+    eng.runner.execute, eng.sampler = fwd.wrap(execute), smp.wrap(sampler)
     eng.step_observer = observe
     try:
         for i in range(streams):
@@ -68,11 +70,13 @@ def run(llm: LLM, prompt: list[int], streams: int, tokens: int, constrained: boo
     finally:
         eng.step_observer = None
         eng.structured.masks = masks
+        eng.runner.execute, eng.sampler = execute, sampler
         sampler_mod.apply_token_bitmask = apply_fn
         eng.structured.overlap = False
     n = max(len(steps), 1)
     return {"step_ms": [s * 1e3 for s in steps], "fill_ms": fill.total / max(fill.calls, 1) * 1e3,
-            "apply_ms": apply.total / max(apply.calls, 1) * 1e3, "n": n}
+            "apply_ms": apply.total / max(apply.calls, 1) * 1e3, "n": n,
+            "forward_ms": fwd.total / max(fwd.calls, 1) * 1e3, "sampler_ms": smp.total / max(smp.calls, 1) * 1e3}
 
 
 def main() -> None:
@@ -92,20 +96,27 @@ def main() -> None:
     results = {m: [] for m in modes}
     fills = {m: [] for m in modes}
     applies = {m: [] for m in modes}
+    fwds = {m: [] for m in modes}
+    smps = {m: [] for m in modes}
     for _ in range(args.rounds):
         for m, (constrained, overlap) in modes.items():
             r = run(llm, prompt, args.streams, args.tokens, constrained, overlap)
             results[m] += r["step_ms"]
             fills[m].append(r["fill_ms"])
             applies[m].append(r["apply_ms"])
+            fwds[m].append(r["forward_ms"])
+            smps[m].append(r["sampler_ms"])
     base = statistics.median(results["unconstrained"])
     print(f"{args.streams} streams x {args.tokens} tokens, {args.rounds} rounds, torch threads {torch.get_num_threads()}")
-    print(f"{'mode':34} {'median step ms':>15} {'ratio':>7} {'mask fill ms':>13} {'mask apply ms':>14} {'steps':>6}")
+    print("mask fill: in the step's thread (overlapped: only the hand-off); forward / sampler: mean per step")
+    print(f"{'mode':34} {'median step ms':>15} {'ratio':>7} {'mask fill ms':>13} {'mask apply ms':>14} "
+          f"{'forward ms':>11} {'sampler ms':>11} {'steps':>6}")
     for m in modes:
         med = statistics.median(results[m])
         fill = statistics.median(fills[m]) if m != "unconstrained" else 0.0
         apply = statistics.median(applies[m]) if m != "unconstrained" else 0.0
-        print(f"{m:34} {med:15.2f} {med / base:7.3f} {fill:13.3f} {apply:14.3f} {len(results[m]):6d}")
+        print(f"{m:34} {med:15.2f} {med / base:7.3f} {fill:13.3f} {apply:14.3f} {statistics.median(fwds[m]):11.2f} "
+              f"{statistics.median(smps[m]):11.2f} {len(results[m]):6d}")
 
 
 if __name__ == "__main__":
