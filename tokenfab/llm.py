@@ -55,6 +55,9 @@ class LLM:
         # Validate everything first: a bad prompt in the middle must not leave half a batch queued.
         for p in prompts:
             self.engine.check_prompt_length(len(self.engine.tokenize(p)))
+        for sp in {id(sp): sp for sp in params}.values():   # structured output: compiles (cached for add_request)
+            if isinstance(sp, SamplingParams) and sp.structured_output is not None:
+                self.engine.structured.compile(sp.structured_output)
         rids = [f"gen-{next(self._ids)}" for _ in prompts]
         for rid, p, sp, pr in zip(rids, prompts, params, prios):
             self.engine.add_request(rid, p, sp, priority=pr)

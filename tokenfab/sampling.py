@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tokenfab.structured_output import StructuredOutputParams
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -29,8 +31,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # top logprobs per prompt token (0: only the prompt token's own)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
     skip_special_tokens: bool = True
+    structured_output: StructuredOutputParams | None = None   # a schema/regex/choice/grammar the output matches
 
     def __post_init__(self) -> None:
+        self.structured_output = StructuredOutputParams.coerce(self.structured_output)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

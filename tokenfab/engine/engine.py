@@ -17,6 +17,7 @@ from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.runner import ModelRunner
 from tokenfab.engine.sampler import Sampler, SampleRow
 from tokenfab.engine.scheduler import Scheduler
+from tokenfab.engine.structured import GrammarCompiler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.engine.threads import ThreadController, free_cores
 from tokenfab.kernels.tuning import select_kernels
@@ -154,6 +155,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype, config.device)
         self.eos_token_ids = list(mcfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, mcfg.vocab_size)
+        self.structured = GrammarCompiler(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.prompt_tokens_total = 0
@@ -235,6 +237,7 @@ class LLMEngine:
             raise ValueError(f"logit_bias names token id {bad}, not in [0, {self.model_config.vocab_size})")
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        grammar = self.structured.compile(params.structured_output) if params.structured_output else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
         for i in range(params.n):
@@ -242,6 +245,8 @@ class LLMEngine:
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed + i)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
+            if grammar is not None:
+                seq.grammar = grammar.matcher()
             seqs.append(seq)
         self.requests[request_id] = seqs
         self.prompts[request_id] = prompt if isinstance(prompt, str) else None
@@ -286,9 +291,10 @@ class LLMEngine:
             self.before_execute(sum(batch.num_new_tokens))
         t_run = time.perf_counter()
         step = self.runner.prepare(batch)
+        masks = self.structured.masks(step.sampling_seqs)   # structured output; overlaps the model if enabled
         logits = self.runner.execute(step)
         rows = [SampleRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in step.sampling_seqs]
-        sampled = self.sampler(logits[:len(rows)], rows) if rows else []
+        sampled = self.sampler(logits[:len(rows)], rows, masks.result() if masks else None) if rows else []
         if self.thread_controller is not None:
             self.thread_controller.observe(sum(batch.num_new_tokens), time.perf_counter() - t_run)
         if step.prompt_rows:
@@ -344,9 +350,14 @@ class LLMEngine:
             # The stopping token's own text stays out of the output, as in vLLM.
             self._finish(seq, SequenceStatus.FINISHED_STOPPED, tid if tid in p.stop_token_ids else None)
             return
+        if seq.grammar is not None and not seq.grammar.consume_token(tid):
+            raise RuntimeError(f"token {tid} broke the structured-output grammar: {seq.grammar.get_error()}")
         _, stop_str = seq.detokenizer.step([tid])
         if stop_str is not None:
             self._finish(seq, SequenceStatus.FINISHED_STOPPED, stop_str)
+        elif seq.grammar is not None and seq.grammar.is_stopped():
+            # The grammar is complete and allows only EOS: end now rather than spend a step sampling it.
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED, None)
         elif n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, SequenceStatus.FINISHED_LENGTH, None)
 

@@ -1,7 +1,8 @@
 """Sampler: turns one step's logits (one row per sequence) into next tokens.
 
 Pipeline per row, in vLLM's order:
-  raw logits ─► logprobs (log_softmax of the *raw* logits, when asked)
+  raw logits ─► structured-output mask (disallowed tokens -inf, when the row has a grammar)
+             ─► logprobs (log_softmax of these logits, when asked: raw but for the grammar, as vLLM)
              ─► min_tokens mask (EOS and stop_token_ids get -inf until min_tokens outputs)
              ─► logit_bias (added to the named tokens' logits)
              ─► repetition penalty (prompt + output tokens), frequency/presence penalties (output tokens)
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenfab.engine.structured import apply_token_bitmask
 from tokenfab.sampling import SamplingParams
 
 
@@ -57,10 +59,14 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
+                 token_bitmask: tuple[list[int], torch.Tensor] | None = None) -> list[SampledToken]:
+        """`token_bitmask`: (rows, packed masks) of the structured-output rows (engine/structured.py)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         if logits.shape[1] > self.vocab_size:  # padded LM heads: padding ids are never valid tokens
             logits = logits[:, : self.vocab_size]
+        if token_bitmask is not None:  # grammar first: every later filter and the logprobs see only allowed tokens
+            logits = apply_token_bitmask(logits, *token_bitmask, self.eos_token_ids)
         if all(_plain_greedy(r.params, len(r.output_token_ids)) for r in rows):
             return [SampledToken(t, None, None) for t in logits.argmax(dim=-1).tolist()]
 

@@ -51,6 +51,7 @@ class Sequence:
     first_token_time: float | None = None
     scheduled_time: float | None = None  # first time it was scheduled (queue time ends)
     num_preemptions: int = 0
+    grammar: object | None = None        # structured output: this sample's llguidance matcher (engine/structured.py)
 
     def __post_init__(self):
         if not self.token_ids:

@@ -18,13 +18,16 @@ from tokenfab.server.logprobs import chat_logprobs
 from tokenfab.server.protocol import ChatCompletionRequest
 from tokenfab.server.state import ClientGone, ServerState, usage
 from tokenfab.server.streaming import ChoiceDelta, framed, sse, sse_response
+from tokenfab.server.tools import assistant_message, chat_constraints, stream_delta, template_input
 
 router = APIRouter()
 
 
-def conversation_ids(st: ServerState, messages, add_generation_prompt: bool = True) -> list[int]:
+def conversation_ids(st: ServerState, messages, add_generation_prompt: bool = True, tools=None) -> list[int]:
+    """`tools`: the request's ToolPlan (server/tools.py), rendered into the prompt."""
     try:
-        ids = chat_token_ids(st.tokenizer, [m.as_template_input() for m in messages], add_generation_prompt)
+        msgs, template_kw = template_input(st.tokenizer, [m.as_template_input() for m in messages], tools)
+        ids = chat_token_ids(st.tokenizer, msgs, add_generation_prompt, **template_kw)
     except ValueError as e:
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
     except Exception as e:                  # a template that fails on this input (jinja raise_exception)
@@ -47,21 +50,24 @@ async def create_chat_completion(request: Request) -> Response:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     vocab = st.engine.model_config.vocab_size
     check_request(req, st.config, 1, vocab)
-    ids = conversation_ids(st, req.messages, req.add_generation_prompt)
+    tools, structure = await chat_constraints(st, req)
+    ids = conversation_ids(st, req.messages, req.add_generation_prompt, tools)
     max_tokens, max_param = req.requested_max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"{max_param} must be at least 1, got {max_tokens}", param=max_param, code="invalid_value")
     st.check_length(len(ids), max_tokens, "messages", max_param)
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     params = st.sampling_params({**req.sampling_kwargs(), "max_tokens": max_tokens, "logprobs": top_n,
-                                 "logit_bias": logit_bias_ids(req.logit_bias, vocab)},
+                                 "logit_bias": logit_bias_ids(req.logit_bias, vocab),
+                                 "structured_output": structure},
                                 renames={"max_tokens": max_param, "logprobs": "top_logprobs"})
 
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     access = request.state.access = {"id": rid, "prompt_tokens": len(ids), "output_tokens": 0}
     (stream,) = await st.start(rid, [ids], params, req.priority, arrival)
     if req.stream:
-        return sse_response(framed(_stream(st, req, rid, stream, top_n, params.n, access, arrival), [stream], access), rid)
+        return sse_response(framed(_stream(st, req, rid, stream, top_n, params.n, access, arrival, tools),
+                                   [stream], access), rid)
 
     try:
         (final,) = await st.collect(request, [stream])
@@ -71,8 +77,9 @@ async def create_chat_completion(request: Request) -> Response:
     choices = []
     for o in final.outputs:
         lps = chat_logprobs(st.token_text, o.token_ids, o.logprobs or [], top_n) if top_n is not None else None
-        choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text},
-                        "logprobs": lps, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+        message, finish_reason = assistant_message(tools, o.text, o.finish_reason)
+        choices.append({"index": o.index, "message": message,
+                        "logprobs": lps, "finish_reason": finish_reason, "stop_reason": o.stop_reason})
     completion_tokens = sum(len(o.token_ids) for o in final.outputs)
     m = final.metrics
     access.update(output_tokens=completion_tokens,
@@ -83,10 +90,11 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 async def _stream(st: ServerState, req: ChatCompletionRequest, rid: str, stream, top_n: int | None, n: int,
-                  access: dict, arrival: float):
+                  access: dict, arrival: float, tools=None):
     created = int(time.time())
     prompt_tokens = access["prompt_tokens"]
     deltas = [ChoiceDelta() for _ in range(n)]
+    calls = [tools.parser.streamer() for _ in range(n)] if tools is not None and tools.parses else None
 
     def chunk(choices: list[dict], completion_tokens: int | None = None) -> dict:
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
@@ -109,13 +117,18 @@ async def _stream(st: ServerState, req: ChatCompletionRequest, rid: str, stream,
             delta = deltas[o.index].advance(o)
             if delta is None:
                 continue
+            body, finish_reason = ({"content": delta.text} if delta.text else {}), delta.finish_reason
+            if calls is not None:     # tool calls: text inside <tool_call> tags leaves as tool_calls deltas
+                body, finish_reason = stream_delta(calls[o.index], delta.text, delta.finish_reason)
+                if not body and finish_reason is None:
+                    continue
             lps = chat_logprobs(st.token_text, delta.token_ids, delta.logprobs, top_n) \
                 if top_n is not None else None
             if access.get("ttft_s") is None and delta.text:
                 access["ttft_s"] = time.monotonic() - arrival
             access["output_tokens"] = sum(d.token_count for d in deltas)
-            yield sse(chunk([{"index": o.index, "delta": {"content": delta.text} if delta.text else {},
-                              "logprobs": lps, "finish_reason": delta.finish_reason,
+            yield sse(chunk([{"index": o.index, "delta": body,
+                              "logprobs": lps, "finish_reason": finish_reason,
                               "stop_reason": delta.stop_reason}],
                             access["output_tokens"] if req.continuous_usage else None))
     if req.include_usage:

@@ -21,6 +21,7 @@ from tokenfab.server.logprobs import completion_logprobs, echo_logprobs
 from tokenfab.server.protocol import CompletionRequest
 from tokenfab.server.state import ClientGone, ServerState, usage
 from tokenfab.server.streaming import ChoiceDelta, framed, merged, sse, sse_response
+from tokenfab.server.structured import check_compiles, requested_structure
 
 router = APIRouter()
 
@@ -41,9 +42,13 @@ async def create_completion(request: Request) -> Response:
     prompt_ids = [st.prompt_ids(p, "prompt") for p in prompts]
     for ids in prompt_ids:
         st.check_length(len(ids), req.max_tokens, "prompt", "max_tokens")
+    structure, structure_param = requested_structure(req)      # vLLM's guided_* extras
+    if structure is not None:
+        await check_compiles(st.engine, structure, structure_param)
     prompt_lps = req.logprobs if req.echo and req.logprobs is not None else None
     params = st.sampling_params({**req.sampling_kwargs(), "max_tokens": req.max_tokens, "logprobs": req.logprobs,
-                                 "prompt_logprobs": prompt_lps, "logit_bias": logit_bias_ids(req.logit_bias, vocab)})
+                                 "prompt_logprobs": prompt_lps, "logit_bias": logit_bias_ids(req.logit_bias, vocab),
+                                 "structured_output": structure})
 
     rid = f"cmpl-{uuid.uuid4().hex}"
     access = request.state.access = {"id": rid, "prompt_tokens": sum(map(len, prompt_ids)), "output_tokens": 0}

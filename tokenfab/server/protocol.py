@@ -2,7 +2,7 @@
 
 Types are strict (`"5"` is not an int) so a wrong type is a 400 naming the field. Unknown fields are
 accepted and ignored (clients such as LangChain send extras), and logged once by the server. Fields we
-know but cannot honour (`tools`, `suffix`, ...) are rejected with a 400 rather than
+know but cannot honour (`suffix`, ...) are rejected with a 400 rather than
 silently ignored. Responses are plain dicts built by the route modules (cheaper per SSE chunk).
 """
 from __future__ import annotations
@@ -47,6 +47,11 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    # vLLM's structured-output extras (server/structured.py turns them into StructuredOutputParams)
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -127,6 +132,8 @@ class ChatMessage(_Body):
         {"type": "array", "items": {"type": "object", "required": ["type", "text"],
                                     "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]})
     name: str | None = None
+    tool_calls: list[dict] | None = None     # an assistant's earlier calls (server/tools.py renders them)
+    tool_call_id: str | None = None          # a tool message: which call this is the result of
 
     @field_validator("content")
     @classmethod
@@ -147,6 +154,10 @@ class ChatMessage(_Body):
         msg = {"role": self.role, "content": self.content or ""}
         if self.name:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
 
 
@@ -159,6 +170,7 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
     @field_validator("messages")
@@ -169,10 +181,6 @@ class ChatCompletionRequest(SamplingFields):
         return v
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tool calling is not supported"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "only response_format {\"type\": \"text\"} is supported"
         return super().unsupported()
 
     @property
