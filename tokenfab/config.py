@@ -25,6 +25,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"          # fcfs | priority
     seed: int = 0
     num_threads: int | None = None           # torch intra-op threads; None: torch's default
+    speculative_config: dict | None = None   # e.g. {"method": "ngram", "num_speculative_tokens": 4}; docs/speculative.md
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -50,3 +51,5 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        from tokenfab.engine.spec.config import SpeculativeConfig
+        SpeculativeConfig.from_dict(self.speculative_config)

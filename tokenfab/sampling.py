@@ -27,6 +27,7 @@ class SamplingParams:
     logprobs: int | None = None          # number of top logprobs per generated token (0: only the chosen one)
     prompt_logprobs: int | None = None   # not supported yet; rejected if set
     skip_special_tokens: bool = True
+    speculative: bool = True             # False: never draft for this request (when the engine speculates)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +74,8 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", self.logprobs, "an integer in [0, 20]")
+        if not isinstance(self.speculative, bool):
+            raise bad("speculative", self.speculative, "true or false")
         if self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported")
 

@@ -58,6 +58,10 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()   # [i]: drafts whose token i was accepted
 
 
 class LLMEngine:
@@ -104,6 +108,12 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype, config.device)
         self.eos_token_ids = list(mcfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, mcfg.vocab_size)
+        self.spec = None      # engine/spec: speculative decoding, when configured
+        if config.speculative_config is not None:
+            from tokenfab.engine.spec.config import SpeculativeConfig
+            from tokenfab.engine.spec.decoder import SpecDecoder
+            self.spec = SpecDecoder(SpeculativeConfig.from_dict(config.speculative_config), self.max_model_len,
+                                    mcfg.vocab_size)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.prompt_tokens_total = 0
@@ -188,6 +198,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch. Returns outputs of the requests that progressed or finished."""
         t_start = time.perf_counter()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -201,17 +213,23 @@ class LLMEngine:
             self.before_execute(sum(batch.num_new_tokens))
         step = self.runner.prepare(batch)
         logits = self.runner.execute(step)
-        rows = [SampleRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in step.sampling_seqs]
-        sampled = self.sampler(logits, rows) if rows else []
+        if self.spec is not None:
+            sampled = self.spec.sample(self.sampler, logits, step.sampling_seqs)   # several tokens per sequence
+        else:
+            rows = [SampleRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in step.sampling_seqs]
+            sampled = self.sampler(logits, rows) if rows else []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.spec_tokens)   # drafts count once accepted (spec.commit)
             self.block_manager.cache_full_blocks(seq)
 
         now = time.monotonic()
         touched: dict[str, None] = {}
         for seq, tok in zip(step.sampling_seqs, sampled):
             try:
-                self._append_token(seq, tok, now)
+                if self.spec is not None:
+                    self.spec.commit(seq, tok, lambda s, t: self._append_token(s, t, now), self.block_manager)
+                else:
+                    self._append_token(seq, tok, now)
             except Exception as e:  # e.g. a tokenizer failure: end this sequence, not the batch
                 log.exception("request %s failed in postprocessing", seq.request_id)
                 self.errors[seq.request_id] = f"{type(e).__name__}: {e}"
@@ -276,6 +294,12 @@ class LLMEngine:
     # -- introspection ---------------------------------------------------------------------
     def stats(self) -> EngineStats:
         bm = self.block_manager
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage(), bm.num_blocks,
-                           bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
-                           self.prompt_tokens_total, self.generation_tokens_total)
+        stats = EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage(), bm.num_blocks,
+                            bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
+                            self.prompt_tokens_total, self.generation_tokens_total)
+        if self.spec is not None:
+            s = self.spec.stats
+            stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens = s.num_drafts, s.num_draft_tokens
+            stats.spec_decode_num_accepted_tokens = s.num_accepted_tokens
+            stats.spec_decode_num_accepted_tokens_per_pos = tuple(s.accepted_per_pos)
+        return stats

@@ -3,6 +3,8 @@
 The flat batch puts decodes (one new token) first, then prefill chunks, so the attention backend
 handles all decodes in one batched call. Logits are computed only at each sequence's last scheduled
 position, and only for sequences whose chunk reaches the end of their known tokens (they sample).
+A sequence carrying draft tokens (engine/spec) runs them after its last token as one chunk, and gets
+logits at all 1 + len(drafts) positions, in order.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ class StepInput:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
-    sampling_seqs: list[Sequence]   # the sequences that get a new token, in logits row order
+    sampling_seqs: list[Sequence]   # the sequences that get a new token, in logits row order (1 + drafts rows each)
 
 
 class ModelRunner:
@@ -56,7 +58,8 @@ class ModelRunner:
             end = start + n
             table = seq.block_table
             q0 = len(ids)
-            ids.extend(seq.token_ids[start:end])
+            tokens = seq.token_ids + seq.spec_tokens if seq.spec_tokens else seq.token_ids
+            ids.extend(tokens[start:end])
             pos.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if n == 1:
@@ -64,8 +67,8 @@ class ModelRunner:
                 dec_lens.append(end)
             else:
                 prefills.append(PrefillChunk(q0, n, end, torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=self.device)))
-            if end == seq.num_tokens:
-                logits_idx.append(len(ids) - 1)
+            if end == len(tokens):
+                logits_idx.extend(range(len(ids) - 1 - len(seq.spec_tokens), len(ids)))
                 sampling.append(seq)
         dev = self.device
         dec_bt = dec_ln = None
