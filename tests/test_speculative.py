@@ -300,3 +300,32 @@ def chi_square(counts, probs) -> float:
 def test_bad_speculative_config_is_rejected_before_loading(bundled_files):
     with pytest.raises(ValueError, match="method must be one of"):
         LLM(loaded=bundled_files, speculative_config={"method": "medusa"})
+
+
+# -- /metrics and bench serve -------------------------------------------------------------------------
+def test_server_metrics_and_bench_scrape_report_acceptance(copy_llms):
+    import httpx
+
+    from tokenfab.bench import spec_metrics
+    from tokenfab.server.app import build_app
+    from tokenfab.server.config import ServerConfig
+    from tokenfab.server.launch import ServerThread
+
+    spec = copy_llms[1]
+    with ServerThread(build_app(spec.engine, ServerConfig(access_log=False))) as srv:
+        before = spec_metrics.scrape(srv.url + "/v1")
+        body = {"model": spec.engine.model_path, "prompt": COPY, "max_tokens": 32, "temperature": 0,
+                "ignore_eos": True}
+        models = httpx.get(srv.url + "/v1/models", timeout=60).json()
+        body["model"] = models["data"][0]["id"]
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        after = spec_metrics.scrape(srv.url)
+        text = httpx.get(srv.url + "/metrics", timeout=60).text
+    assert 'tokenfab:spec_decode_num_accepted_tokens_per_pos_total{model_name=' in text and 'position="0"' in text
+    st = spec.engine.stats()
+    assert after["spec_decode_num_accepted_tokens"] == st.spec_decode_num_accepted_tokens
+    acc = spec_metrics.acceptance(before, after)
+    assert acc is not None and 0 < acc["acceptance_rate"] <= 1 and acc["mean_accepted_length"] > 1
+    assert acc["acceptance_rate_per_pos"][0] >= acc["acceptance_rate_per_pos"][-1]
+    assert spec.engine.block_manager.num_used_blocks() == 0
