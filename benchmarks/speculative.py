@@ -53,16 +53,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
     ap.add_argument("--spec", help="a full speculative_config as JSON (overrides --k)")
-    ap.add_argument("--tokens", type=int, default=96, help="max new tokens per request (default 96)")
+    ap.add_argument("--tokens", type=int, default=64, help="max new tokens per request (default 64)")
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per workload, single stream (default 2, max 4)")
+    ap.add_argument("--batch-only", action="store_true", help="only the --streams case")
     ap.add_argument("--streams", type=int, default=8, help="concurrent requests in the batched case (default 8)")
     ap.add_argument("--rounds", type=int, default=1, help="passes over the prompts (default 1)")
     ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
     spec_cfg = json.loads(args.spec) if args.spec else {"method": "ngram", "num_speculative_tokens": args.k}
     files = load_model_files(None)
-    common = dict(loaded=files, quantization=args.quantization, max_model_len=2048, num_kv_blocks=1024)
+    common = dict(loaded=files, quantization=args.quantization, max_model_len=2048, num_kv_blocks=1024,
+                  num_threads=args.num_threads)
     plain = LLM(**common)
     spec = LLM(speculative_config=spec_cfg, **common)
     params = SamplingParams(max_tokens=args.tokens, temperature=0)
@@ -72,13 +76,13 @@ def main() -> None:
     results = []
     for workload, prompts in (("copy-heavy", COPY), ("open-ended", CHAT)):
         convs = [[{"role": "user", "content": p}] for p in prompts]
-        for streams in (1, args.streams):
+        for streams in ((args.streams,) if args.batch_only else (1, args.streams)):
             t = {"plain": 0.0, "spec": 0.0}
             n = {"plain": 0, "spec": 0}
             s0 = spec.engine.stats()
             for _ in range(args.rounds):
                 if streams == 1:
-                    groups = [[c] for c in convs]
+                    groups = [[c] for c in convs[:args.prompts]]
                 else:                        # `streams` requests at once, cycling through the prompts
                     groups = [[convs[i % len(convs)] for i in range(streams)]]
                 for g in groups:

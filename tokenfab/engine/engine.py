@@ -113,7 +113,7 @@ class LLMEngine:
             from tokenfab.engine.spec.config import SpeculativeConfig
             from tokenfab.engine.spec.decoder import SpecDecoder
             self.spec = SpecDecoder(SpeculativeConfig.from_dict(config.speculative_config), self.max_model_len,
-                                    mcfg.vocab_size)
+                                    mcfg.vocab_size, self.model, self.runner, self.block_manager)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.prompt_tokens_total = 0

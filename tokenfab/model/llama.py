@@ -105,10 +105,15 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Returns float32 logits for the tokens at `logits_indices` only (one per sampled sequence)."""
+                meta: AttentionMetadata, logits_indices: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+        """Returns float32 logits for the tokens at `logits_indices` only (one per sampled sequence).
+
+        `num_layers`: run only the first layers, then the final norm and LM head (self-speculative
+        drafting, engine/spec/layerskip.py); their K/V go to those layers' caches as usual."""
         x = self.embed_tokens(input_ids)
         layers = self._fused_layers(x, kv_caches, meta)
+        if layers is not None and num_layers is not None and num_layers < len(layers):
+            layers = (kernels.Layer * num_layers).from_buffer(layers)   # a view of the first entries
         if layers is not None:
             cfg, attn = self.config, self.layers[0].self_attn.attn
             x = x.contiguous()
@@ -118,7 +123,7 @@ class LlamaModel(nn.Module):
                                   meta.decode_context_lens, attn.block_size, attn.scale)
         else:
             tables = self.rope.tables(positions, x.dtype)
-            for layer, kv in zip(self.layers, kv_caches):
+            for layer, kv in zip(self.layers[:num_layers], kv_caches):
                 x = layer(x, self.rope, tables, kv, meta)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()

@@ -2,13 +2,14 @@
 
     LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                             "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    LLM(speculative_config={"method": "layerskip", "num_speculative_tokens": 3, "num_layers": 20})
     tokenfab serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "layerskip")
 
 
 @dataclass(slots=True)
@@ -17,6 +18,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4       # k: the most draft tokens per sequence and step
     prompt_lookup_max: int = 4            # ngram: the longest suffix matched against the context
     prompt_lookup_min: int = 2            # ngram: the shortest
+    num_layers: int | None = None         # layerskip: the target's first L layers draft; None: half of them
     # Adaptive policy (docs/speculative.md). The batch switch: no speculation in a step whose
     # running decodes exceed this (measured: benchmarks/speculative.py, docs/speculative.md).
     max_batch_size: int = 8
@@ -44,8 +46,11 @@ class SpeculativeConfig:
     def validate(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_batch_size"):
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_batch_size",
+                     "num_layers"):
             v = getattr(self, name)
+            if v is None and name == "num_layers":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"speculative_config {name} must be a positive integer, got {v!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:

@@ -36,11 +36,17 @@ class SpecStats:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, vocab_size: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, vocab_size: int, model=None, runner=None,
+                 block_manager=None) -> None:
         self.config = config
         self.k_max = config.num_speculative_tokens
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        if config.method == "layerskip":
+            from tokenfab.engine.spec.layerskip import LayerSkipProposer
+            layers = config.num_layers or model.config.num_layers // 2
+            self.proposer = LayerSkipProposer(model, runner, block_manager, layers, vocab_size)
+        else:
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.policy = AdaptivePolicy(self.k_max, config.max_batch_size, config.adaptive)
         self.stats = SpecStats(accepted_per_pos=[0] * self.k_max)
         self.step_index = 0
@@ -55,6 +61,7 @@ class SpecDecoder:
                 decoding.append(seq)
         if not self.policy.step_allows(len(decoding)):
             return
+        seqs, ks = [], []
         for seq in decoding:
             if not seq.params.speculative:
                 continue
@@ -64,6 +71,13 @@ class SpecDecoder:
             left = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
             k = min(self.policy.k_for(seq.spec_state, self.step_index), left)
             if k > 0:
+                seqs.append(seq)
+                ks.append(k)
+        if hasattr(self.proposer, "propose_batch"):      # a model-based proposer drafts all at once
+            for seq, drafts in zip(seqs, self.proposer.propose_batch(seqs, ks) if seqs else []):
+                seq.spec_tokens = drafts
+        else:
+            for seq, k in zip(seqs, ks):
                 seq.spec_tokens = self.proposer.propose(seq.token_ids, k)
 
     # -- 2. verify ---------------------------------------------------------------------------------
