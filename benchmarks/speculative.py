@@ -72,6 +72,18 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.tokens, temperature=0)
     for llm in (plain, spec):               # warm up both (kernels, allocator)
         timed(llm, [[{"role": "user", "content": COPY[0]}]], SamplingParams(max_tokens=8, temperature=0))
+    # Step durations by kind: a pure decode step (one token per sequence) against a step that
+    # verifies drafts (the per-layer path with k + 1 rows per speculating sequence).
+    step_ms: dict[tuple, list[float]] = {}
+
+    def observer(name):
+        def see(shapes, start, end, busy):
+            if all(c > 0 for c, _ in shapes):            # decodes only (no prefill chunk of a new prompt)
+                kind = "verify" if any(n > 1 for _, n in shapes) else "decode"
+                step_ms.setdefault((name, len(shapes), kind), []).append((end - start) * 1e3)
+        return see
+
+    plain.engine.step_observer, spec.engine.step_observer = observer("plain"), observer("spec")
 
     results = []
     for workload, prompts in (("copy-heavy", COPY), ("open-ended", CHAT)):
@@ -105,11 +117,16 @@ def main() -> None:
             print(f"{workload:11s} streams={streams:2d}  plain {row['plain_tok_s']:6.1f} tok/s  "
                   f"spec {row['spec_tok_s']:6.1f} tok/s  x{row['speedup']:.2f}  acceptance {acc}  "
                   f"mean accepted length {mal}  ({n['spec']} tokens)", flush=True)
+    print("median step time (ms) by engine, sequences in the step, kind:")
+    for key in sorted(step_ms):
+        v = sorted(step_ms[key])
+        print(f"  {key[0]:5s} {key[1]:2d} seqs {key[2]:6s}  {v[len(v) // 2]:7.1f} ms  ({len(v)} steps)")
     print(f"speculative_config={json.dumps(spec_cfg)}  quantization={args.quantization}  "
           f"max_tokens={args.tokens}  rounds={args.rounds}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"speculative_config": spec_cfg, "results": results}, f, indent=2)
+            json.dump({"speculative_config": spec_cfg, "results": results,
+                   "step_ms": {f"{k[0]} {k[1]} {k[2]}": sorted(v)[len(v) // 2] for k, v in step_ms.items()}}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ pytestmark = pytest.mark.timeout(1200)     # several engines on the bundled mode
 NEW = 64
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "max_batch_size": 64}
+LAYERSKIP = {"method": "layerskip", "num_speculative_tokens": 3, "num_layers": 20, "max_batch_size": 64}
+METHODS = pytest.mark.parametrize("method", [NGRAM, LAYERSKIP], ids=["ngram", "layerskip"])
 PASSAGES = [
     "The cache holds blocks of sixteen tokens each, and the scheduler admits requests while the budget allows.",
     "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n",
@@ -63,15 +65,17 @@ def assert_speculated(llm: LLM) -> None:
     assert st.spec_decode_num_drafts > 0 and st.spec_decode_num_accepted_tokens > 0, st
 
 
-def test_greedy_ngram_batched_matches_plain_token_for_token(bundled_files, reference):
-    llm = spec_llm(bundled_files)
+@METHODS
+def test_greedy_batched_matches_plain_token_for_token(bundled_files, reference, method):
+    llm = spec_llm(bundled_files, spec=method)
     assert tokens(run(llm)) == reference
     assert_speculated(llm)
 
 
 @pytest.mark.slow
-def test_greedy_ngram_under_tiny_token_budget_chunks_prefills_and_matches(bundled_files, reference):
-    llm = spec_llm(bundled_files, max_num_batched_tokens=24)
+@METHODS
+def test_greedy_under_tiny_token_budget_chunks_prefills_and_matches(bundled_files, reference, method):
+    llm = spec_llm(bundled_files, max_num_batched_tokens=24, spec=method)
     steps = []
     original = llm.engine.scheduler.schedule
 
@@ -88,20 +92,23 @@ def test_greedy_ngram_under_tiny_token_budget_chunks_prefills_and_matches(bundle
 
 
 @pytest.mark.slow
-def test_greedy_ngram_with_preemption_matches(bundled_files, reference):
-    llm = spec_llm(bundled_files, max_model_len=384, num_kv_blocks=24)
+@METHODS
+def test_greedy_with_preemption_matches(bundled_files, reference, method):
+    llm = spec_llm(bundled_files, max_model_len=384, num_kv_blocks=24, spec=method)
     assert tokens(run(llm)) == reference
     assert llm.engine.scheduler.num_preemptions > 0
     assert_speculated(llm)
 
 
 @pytest.mark.slow
-def test_greedy_ngram_with_prefix_cache_hits_matches_uncached(bundled_files):
+@METHODS
+def test_greedy_with_prefix_cache_hits_matches_uncached(bundled_files, method):
     system = PASSAGES[0] * 4
     prompts = [f"{system}\nRepeat the text.\nText: {p}\nRepeat: " for p in PASSAGES] + [system + " and then"]
-    uncached = spec_llm(bundled_files, enable_prefix_caching=False)
+    uncached = LLM(loaded=bundled_files, quantization="none", max_model_len=1024, num_kv_blocks=1024,
+                   enable_prefix_caching=False)
     expected = tokens(run(uncached, prompts))
-    cached = spec_llm(bundled_files)
+    cached = spec_llm(bundled_files, spec=method)
     got = tokens(run(cached, prompts[:1])) + tokens(run(cached, prompts[1:]))
     assert cached.engine.stats().prefix_cache_hits > 0
     assert got == expected
@@ -301,6 +308,12 @@ def chi_square(counts, probs) -> float:
 def test_bad_speculative_config_is_rejected_before_loading(bundled_files):
     with pytest.raises(ValueError, match="method must be one of"):
         LLM(loaded=bundled_files, speculative_config={"method": "medusa"})
+
+
+def test_layerskip_deeper_than_the_model_is_a_clear_error(tiny_llama):
+    with pytest.raises(ValueError, match=r"num_layers must be in \[1, 1\] for this model \(2 layers\), got 2"):
+        LLM(tiny_llama, max_model_len=64, num_kv_blocks=16,
+            speculative_config={"method": "layerskip", "num_layers": 2})
 
 
 # -- /metrics and bench serve -------------------------------------------------------------------------
