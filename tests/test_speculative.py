@@ -118,19 +118,6 @@ def test_greedy_with_prefix_cache_hits_matches_uncached(bundled_files, method):
     assert_speculated(cached)
 
 
-def test_opt_out_per_request_never_drafts(bundled_files):
-    llm = spec_llm(bundled_files)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, speculative=False)
-    run(llm, PROMPTS[:2], params)
-    assert llm.engine.stats().spec_decode_num_drafts == 0
-
-
-def test_batch_switch_turns_speculation_off_above_max_batch_size(bundled_files):
-    llm = spec_llm(bundled_files, spec={**NGRAM, "max_batch_size": 2})
-    run(llm, [PROMPTS[0]] * 3, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    assert llm.engine.stats().spec_decode_num_drafts == 0
-
-
 COPY = "Repeat the text.\nText: " + PASSAGES[0] + "\nRepeat: "
 
 
@@ -145,6 +132,25 @@ def outputs_match(copy_llms, params):
     a, b = run(plain, [COPY], params)[0].outputs[0], run(spec, [COPY], params)[0].outputs[0]
     assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == (a.token_ids, a.text, a.finish_reason, a.stop_reason)
     return a
+
+
+def test_opt_out_per_request_never_drafts(copy_llms):
+    spec = copy_llms[1]
+    before = spec.engine.stats().spec_decode_num_drafts
+    run(spec, [COPY, PROMPTS[1]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, speculative=False))
+    assert spec.engine.stats().spec_decode_num_drafts == before
+
+
+def test_batch_switch_turns_speculation_off_above_max_batch_size(copy_llms):
+    spec = copy_llms[1]
+    policy = spec.engine.spec.policy
+    before = spec.engine.stats().spec_decode_num_drafts
+    policy.max_batch_size = 2
+    try:
+        run(spec, [COPY] * 3, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    finally:
+        policy.max_batch_size = 64
+    assert spec.engine.stats().spec_decode_num_drafts == before
 
 
 def test_stop_string_inside_an_accepted_run_stops_exactly_there(copy_llms):
@@ -196,13 +202,14 @@ def test_logprobs_of_accepted_tokens_match_plain_decoding(copy_llms):
             assert abs(da[t].logprob - db[t].logprob) < 1e-3
 
 
-def test_abort_after_verification_steps_frees_every_block(bundled_files):
-    llm = spec_llm(bundled_files, num_kv_blocks=256)
-    eng = llm.engine
+def test_abort_after_verification_steps_frees_every_block(copy_llms):
+    eng = copy_llms[1].engine
+    before = eng.stats().spec_decode_num_drafts
     for i in range(4):
         eng.add_request(f"a{i}", COPY, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
-    while eng.stats().spec_decode_num_drafts == 0:
+    while eng.stats().spec_decode_num_drafts == before:
         eng.step()
+    assert eng.block_manager.num_used_blocks() > 0
     eng.step()
     for i in range(4):
         eng.abort_request(f"a{i}")

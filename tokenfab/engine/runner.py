@@ -3,8 +3,10 @@
 The flat batch puts decodes (one new token) first, then prefill chunks, so the attention backend
 handles all decodes in one batched call. Logits are computed only at each sequence's last scheduled
 position, and only for sequences whose chunk reaches the end of their known tokens (they sample).
-A sequence carrying draft tokens (engine/spec) runs them after its last token as one chunk, and gets
-logits at all 1 + len(drafts) positions, in order.
+A sequence carrying draft tokens (engine/spec) runs its last token and the drafts as 1 + k decode
+rows with causal context lengths (row i sees the context up to its own position: every layer writes
+all rows' K/V before any row attends), and gets logits at all of them, in order. So verification is
+computed exactly as k + 1 plain decodes would be, and small steps stay on the one-call C decode stack.
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> StepInput:
         bs = self.block_size
-        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)  # decodes first, stable
+        # Decodes (and verifications) first, stable.
+        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1 and not batch.seqs[i].spec_tokens)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -62,9 +65,10 @@ class ModelRunner:
             ids.extend(tokens[start:end])
             pos.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if n == 1:
-                dec_tables.append(table[: -(-end // bs)])
-                dec_lens.append(end)
+            if n == 1 or seq.spec_tokens:
+                for p in range(start + 1, end + 1):     # one decode row per position, context up to it
+                    dec_tables.append(table[: -(-p // bs)])
+                    dec_lens.append(p)
             else:
                 prefills.append(PrefillChunk(q0, n, end, torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=self.device)))
             if end == len(tokens):

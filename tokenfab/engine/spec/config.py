@@ -22,6 +22,9 @@ class SpeculativeConfig:
     # Adaptive policy (docs/speculative.md). The batch switch: no speculation in a step whose
     # running decodes exceed this (measured: benchmarks/speculative.py, docs/speculative.md).
     max_batch_size: int = 8
+    # Rows (decodes + drafts) a step with drafts may have: 16 keeps it on the one-call C decode stack
+    # (kernels.QGEMM_MAX_ROWS); drafts beyond it are not proposed.
+    max_step_rows: int = 16
     adaptive: bool = True                 # k per sequence from its recent acceptance; back-off when it keeps rejecting
 
     @classmethod
@@ -47,7 +50,7 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}, got {self.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_batch_size",
-                     "num_layers"):
+                     "max_step_rows", "num_layers"):
             v = getattr(self, name)
             if v is None and name == "num_layers":
                 continue

@@ -62,6 +62,7 @@ class SpecDecoder:
         if not self.policy.step_allows(len(decoding)):
             return
         seqs, ks = [], []
+        room = self.config.max_step_rows - len(decoding)      # draft rows this step may add
         for seq in decoding:
             if not seq.params.speculative:
                 continue
@@ -74,11 +75,17 @@ class SpecDecoder:
                 seqs.append(seq)
                 ks.append(k)
         if hasattr(self.proposer, "propose_batch"):      # a model-based proposer drafts all at once
+            for i, k in enumerate(ks):
+                ks[i] = max(0, min(k, room))
+                room -= ks[i]
             for seq, drafts in zip(seqs, self.proposer.propose_batch(seqs, ks) if seqs else []):
                 seq.spec_tokens = drafts
         else:
             for seq, k in zip(seqs, ks):
-                seq.spec_tokens = self.proposer.propose(seq.token_ids, k)
+                if room <= 0:
+                    break
+                seq.spec_tokens = self.proposer.propose(seq.token_ids, min(k, room))
+                room -= len(seq.spec_tokens)
 
     # -- 2. verify ---------------------------------------------------------------------------------
     def sample(self, sampler: Sampler, logits: torch.Tensor, sampling_seqs: list) -> list[list[SampledToken]]:
