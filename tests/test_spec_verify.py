@@ -87,12 +87,15 @@ def test_target_probs_apply_temperature_top_k_top_p_and_min_p_as_the_sampler():
 
 def test_adaptive_k_follows_acceptance_and_backs_off_a_rejecting_sequence():
     pol = AdaptivePolicy(k_max=8, max_batch_size=4)
+    few = SeqSpecState()
     good, bad = SeqSpecState(), SeqSpecState()
     for step in range(10):
         pol.observe(good, 4, 4, step)
         pol.observe(bad, 4, 0, step)
+        pol.observe(few, 1, 0 if step % 2 else 1, step)   # half accepted, but not even one token a round
     assert pol.k_for(good, 10) == 8
     assert pol.k_for(bad, 10) == 0                  # paused
+    assert pol.k_for(few, 10) == 0
     assert pol.k_for(bad, 10 + 256) >= 1            # and tries again later
     assert pol.step_allows(4) and not pol.step_allows(5)
 
