@@ -115,8 +115,8 @@ def add_parser(subparsers) -> None:
                    help="model speculative decoding: share of draft tokens accepted (tokenfab:spec_decode_num_"
                         "accepted_tokens / ..._num_draft_tokens); each decode then emits 1 + k*A tokens")
     s.add_argument("--spec-tokens", type=_positive_int_one, default=4, help="k drafts per decode (default 4)")
-    s.add_argument("--spec-max-batch-size", type=_positive_int_one, default=8,
-                   help="no speculation in steps with more decoding sequences, as the engine (default 8)")
+    s.add_argument("--spec-max-batch-size", type=_positive_int_one, default=4,
+                   help="no speculation in steps with more decoding sequences, as the engine (default 4)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--step-table", metavar="FILE", help="measured step times (from calibrate --save-table) "
                                                         "to use instead of the roofline")

@@ -42,7 +42,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     spec_tokens: int = 0                 # speculative decoding: k draft tokens per decode (0: off)
     spec_acceptance: float = 0.0         # share of draft tokens accepted
-    spec_max_batch_size: int = 8         # as the engine: no speculation in a step with more decodes
+    spec_max_batch_size: int = 4         # as the engine: no speculation in a step with more decodes
 
     def __post_init__(self):
         if self.spec_tokens < 0 or not 0.0 <= self.spec_acceptance <= 1.0:

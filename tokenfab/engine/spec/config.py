@@ -20,8 +20,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2            # ngram: the shortest
     num_layers: int | None = None         # layerskip: the target's first L layers draft; None: half of them
     # Adaptive policy (docs/speculative.md). The batch switch: no speculation in a step whose
-    # running decodes exceed this (measured: benchmarks/speculative.py, docs/speculative.md).
-    max_batch_size: int = 8
+    # running decodes exceed this. Measured (benchmarks/speculative.py, 1 thread): at 8 streams a
+    # 16-row verification step cost 2.0x a decode step for 1.9x the tokens; at 4 streams, 2.5x for
+    # up to 3.9x.
+    max_batch_size: int = 4
     # Rows (decodes + drafts) a step with drafts may have: 16 keeps it on the one-call C decode stack
     # (kernels.QGEMM_MAX_ROWS); drafts beyond it are not proposed.
     max_step_rows: int = 16

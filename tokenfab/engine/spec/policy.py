@@ -21,7 +21,7 @@ START_RATE = 0.6      # a new sequence's assumed acceptance
 OFF_RATE = 0.15       # below this, back off
 START_ACCEPTED = 2.0  # a new sequence's assumed accepted tokens per round
 MIN_ACCEPTED = 1.0    # below this average per round, back off
-MIN_ROUNDS = 3        # rounds before a sequence may be switched off
+MIN_ROUNDS = 2        # rounds before a sequence may be switched off
 BACKOFF_MIN, BACKOFF_MAX = 16, 256
 
 
