@@ -4,6 +4,7 @@ the longest acceptable prefix plus one token of the target's own.
 
 - `config.py`   SpeculativeConfig: the `speculative_config` dict (vLLM's shape), validated
 - `ngram.py`    prompt lookup: the tokens that followed the latest earlier match of the last n tokens
+- `layerskip.py` self-speculative: the target's first L layers + final norm + LM head draft greedily
 - `verify.py`   greedy acceptance and rejection sampling against the fully processed target distribution
 - `policy.py`   adaptive k per sequence, back-off for sequences that keep rejecting, the batch-size switch
 - `decoder.py`  SpecDecoder: what the engine calls each step (propose, verify, commit, counters)
