@@ -276,6 +276,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama):
 
     llm = LLM(tiny_llama, max_model_len=64, num_kv_blocks=2048, max_num_seqs=256, max_num_batched_tokens=4096,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2, "max_batch_size": 256,
+                                  "max_step_rows": 4096,
                                   "adaptive": False})
     prompt = llm.engine.tokenize("the quick brown fox")
     model = llm.engine.model
