@@ -39,6 +39,7 @@ class EngineConfig:
     small_batch_tokens: int = DEFAULT_SMALL_BATCH_TOKENS   # serve --small-batch-threads: steps this small
     adaptive_threads: bool = True            # lower the thread count while other processes take cores, restore
                                              # it after (tokenfab/engine/threads.py; CPU, 2+ threads)
+    speculative_config: dict | None = None   # e.g. {"method": "ngram", "num_speculative_tokens": 4}; docs/speculative.md
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -76,3 +77,5 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        from tokenfab.engine.spec.config import SpeculativeConfig
+        SpeculativeConfig.from_dict(self.speculative_config)

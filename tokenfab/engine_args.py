@@ -11,6 +11,7 @@ Importing this module does not import torch (the CLI must register parsers cheap
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from dataclasses import fields
 
@@ -39,6 +40,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return value
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object like '{{\"method\": \"ngram\"}}', got {text!r}")
     return value
 
 
@@ -110,6 +121,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     g.add_argument("--enable-fused-decode", action=argparse.BooleanOptionalAction, default=None,
                    help=f"cpu backend: one C call for the whole stack on small decode steps "
                         f"(default: {'on' if d.enable_fused_decode else 'off'})")
+    g.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        "(default: off; docs/speculative.md)")
 
 
 class _Group:

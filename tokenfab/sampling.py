@@ -32,6 +32,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
     skip_special_tokens: bool = True
     structured_output: StructuredOutputParams | None = None   # a schema/regex/choice/grammar the output matches
+    speculative: bool = True             # False: never draft for this request (when the engine speculates)
 
     def __post_init__(self) -> None:
         self.structured_output = StructuredOutputParams.coerce(self.structured_output)
@@ -92,6 +93,8 @@ class SamplingParams:
                     raise bad("logit_bias", t, "keyed by token ids >= 0")
                 if not _is_number(b) or not -100 <= b <= 100:
                     raise bad("logit_bias", b, f"a bias in [-100, 100] (token {t})")
+        if not isinstance(self.speculative, bool):
+            raise bad("speculative", self.speculative, "true or false")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "SamplingParams":

@@ -201,12 +201,17 @@ def serve_command(args) -> int:
             for table in run_tables(run_json(run, False), cfg.percentiles, cfg.slos)[:2]:
                 err.print(table)
 
+    from tokenfab.bench import spec_metrics
+    spec_before = spec_metrics.scrape(cfg.base_url, cfg.api_key)
     if args.no_progress:
         runs, sweep = run_serve(cfg, counter, endpoint, None, show)
     else:
         with LiveProgress(err) as progress:
             runs, sweep = run_serve(cfg, counter, endpoint, progress, show)
     result = build_result(cfg, counter, runs, sweep, include_requests=not args.no_requests)
+    spec = spec_metrics.acceptance(spec_before, spec_metrics.scrape(cfg.base_url, cfg.api_key))
+    if spec is not None:           # the server speculates: its acceptance over these runs (warm-up included)
+        result["spec_decode"] = spec
     print_result(out, result)
     if args.out:
         write_result(args.out, result)

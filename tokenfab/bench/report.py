@@ -138,3 +138,10 @@ def print_result(console: Console, result: dict) -> None:
         console.print()
     if len(result["runs"]) > 1:
         console.print(sweep_table(result))
+    spec = result.get("spec_decode")
+    if spec:
+        per_pos = ", ".join(f"{a:.2f}" for a in spec["acceptance_rate_per_pos"] if a is not None)
+        console.print(f"speculative decoding (server /metrics): acceptance rate {spec['acceptance_rate']:.3f} "
+                      f"({spec['num_accepted_tokens']} of {spec['num_draft_tokens']} draft tokens), "
+                      f"mean accepted length {num(spec['mean_accepted_length'])}"
+                      + (f", per position {per_pos}" if per_pos else ""))

@@ -115,6 +115,10 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     num_threads: int = 0                 # torch/OpenMP threads the steps run on now
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()   # [i]: drafts whose token i was accepted
 
 
 class LLMEngine:
@@ -156,6 +160,12 @@ class LLMEngine:
         self.eos_token_ids = list(mcfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, mcfg.vocab_size)
         self.structured = GrammarCompiler(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
+        self.spec = None      # engine/spec: speculative decoding, when configured
+        if config.speculative_config is not None:
+            from tokenfab.engine.spec.config import SpeculativeConfig
+            from tokenfab.engine.spec.decoder import SpecDecoder
+            self.spec = SpecDecoder(SpeculativeConfig.from_dict(config.speculative_config), self.max_model_len,
+                                    mcfg.vocab_size, self.model, self.runner, self.block_manager)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.prompt_tokens_total = 0
@@ -278,6 +288,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch. Returns outputs of the requests that progressed or finished."""
         t_start = time.perf_counter()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -293,15 +305,20 @@ class LLMEngine:
         step = self.runner.prepare(batch)
         masks = self.structured.masks(step.sampling_seqs)   # structured output; overlaps the model if enabled
         logits = self.runner.execute(step)
-        rows = [SampleRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in step.sampling_seqs]
-        sampled = self.sampler(logits[:len(rows)], rows, masks.result() if masks else None) if rows else []
+        bitmask = masks.result() if masks else None
+        num_rows = len(step.sampling_seqs) + sum(len(s.spec_tokens) for s in step.sampling_seqs)
+        if self.spec is not None:           # several tokens per sequence
+            sampled = self.spec.sample(self.sampler, logits[:num_rows], step.sampling_seqs, bitmask)
+        else:
+            rows = [SampleRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in step.sampling_seqs]
+            sampled = self.sampler(logits[:num_rows], rows, bitmask) if rows else []
         if self.thread_controller is not None:
             self.thread_controller.observe(sum(batch.num_new_tokens), time.perf_counter() - t_run)
         if step.prompt_rows:
-            self._record_prompt_logprobs(logits[len(rows):], step.prompt_rows)
+            self._record_prompt_logprobs(logits[num_rows:], step.prompt_rows)
         prompt_done = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.spec_tokens)   # drafts count once accepted (spec.commit)
             self.block_manager.cache_full_blocks(seq)
             if seq.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
                 prompt_done.append(seq)     # prompt only (max_tokens 0): scored, nothing to sample
@@ -310,7 +327,10 @@ class LLMEngine:
         touched: dict[str, None] = {}
         for seq, tok in zip(step.sampling_seqs, sampled):
             try:
-                self._append_token(seq, tok, now)
+                if self.spec is not None:
+                    self.spec.commit(seq, tok, lambda s, t: self._append_token(s, t, now), self.block_manager)
+                else:
+                    self._append_token(seq, tok, now)
             except Exception as e:  # e.g. a tokenizer failure: end this sequence, not the batch
                 log.exception("request %s failed in postprocessing", seq.request_id)
                 self.errors[seq.request_id] = f"{type(e).__name__}: {e}"
@@ -393,6 +413,12 @@ class LLMEngine:
     # -- introspection ---------------------------------------------------------------------
     def stats(self) -> EngineStats:
         bm = self.block_manager
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage(), bm.num_blocks,
-                           bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
-                           self.prompt_tokens_total, self.generation_tokens_total, torch.get_num_threads())
+        stats = EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage(), bm.num_blocks,
+                            bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
+                            self.prompt_tokens_total, self.generation_tokens_total, torch.get_num_threads())
+        if self.spec is not None:
+            s = self.spec.stats
+            stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens = s.num_drafts, s.num_draft_tokens
+            stats.spec_decode_num_accepted_tokens = s.num_accepted_tokens
+            stats.spec_decode_num_accepted_tokens_per_pos = tuple(s.accepted_per_pos)
+        return stats

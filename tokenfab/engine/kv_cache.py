@@ -117,6 +117,17 @@ class BlockManager:
             seq.block_table.append(b)
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the blocks past the first `num_tokens` tokens' (rejected draft tokens' blocks). They
+        were never registered in the prefix cache: only fully computed, accepted blocks are."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            b = seq.block_table.pop()
+            self.ref_counts[b] -= 1
+            assert self.ref_counts[b] == 0 and self.block_hash[b] is None
+            self.free[b] = None
+            self.free.move_to_end(b, last=False)
+
     def free_seq(self, seq: Sequence) -> None:
         """Release the sequence's blocks. The tail goes first into the eviction order, so a shared
         prefix (the head of the chain) outlives the request-specific tail."""

@@ -5,6 +5,11 @@ handles all decodes in one batched call. Logits are computed only at each sequen
 position, and only for sequences whose chunk reaches the end of their known tokens (they sample),
 plus, for sequences asking for prompt logprobs, at every prompt position of their chunk (after the
 sampling rows; see prompt_logprobs.py). A prompt-only sequence (max_tokens 0) never samples.
+position, and only for sequences whose chunk reaches the end of their known tokens (they sample).
+A sequence carrying draft tokens (engine/spec) runs its last token and the drafts as 1 + k decode
+rows with causal context lengths (row i sees the context up to its own position: every layer writes
+all rows' K/V before any row attends), and gets logits at all of them, in order. So verification is
+computed exactly as k + 1 plain decodes would be, and small steps stay on the one-call C decode stack.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ class StepInput:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
-    sampling_seqs: list[Sequence]   # the sequences that get a new token, in logits row order
+    sampling_seqs: list[Sequence]   # the sequences that get a new token, in logits row order (1 + drafts rows each)
     # After the sampling rows: (sequence, first position, last position + 1) per prompt-logprobs run
     prompt_rows: list[tuple[Sequence, int, int]]
 
@@ -58,7 +63,8 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> StepInput:
         bs = self.block_size
-        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)  # decodes first, stable
+        # Decodes (and verifications) first, stable.
+        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1 and not batch.seqs[i].spec_tokens)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -75,16 +81,18 @@ class ModelRunner:
             end = start + n
             table = seq.block_table
             q0 = len(ids)
-            ids.extend(seq.token_ids[start:end])
+            tokens = seq.token_ids + seq.spec_tokens if seq.spec_tokens else seq.token_ids
+            ids.extend(tokens[start:end])
             pos.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if n == 1:
-                dec_tables.append(table[: -(-end // bs)])
-                dec_lens.append(end)
+            if n == 1 or seq.spec_tokens:
+                for p in range(start + 1, end + 1):     # one decode row per position, context up to it
+                    dec_tables.append(table[: -(-p // bs)])
+                    dec_lens.append(p)
             else:
                 prefills.append(PrefillChunk(q0, n, end, torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=self.device)))
-            if end == seq.num_tokens and seq.max_tokens > 0:
-                logits_idx.append(len(ids) - 1)
+            if end == len(tokens) and seq.max_tokens > 0:
+                logits_idx.extend(range(len(ids) - 1 - len(seq.spec_tokens), len(ids)))
                 sampling.append(seq)
             if seq.needs_prompt_logprobs:
                 rows = rows_for_chunk(seq.num_prompt_tokens, len(seq.prompt_logprobs), start, end)

@@ -78,6 +78,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self.bm.free_seq(seq)
+        seq.spec_tokens = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -99,6 +100,12 @@ class Scheduler:
             if seq not in self.running:      # preempted earlier in this loop
                 continue
             n = seq.num_tokens - seq.num_computed_tokens
+            if seq.spec_tokens:
+                # Drafts (engine/spec) are optional: cut to the budget, and dropped rather than preempt anyone.
+                n = min(n + len(seq.spec_tokens), budget)
+                if not self.bm.allocate(seq, n):
+                    n = 1
+                seq.spec_tokens = seq.spec_tokens[:n - 1]
             n = min(n, budget)
             while not self.bm.allocate(seq, n):
                 victim = self._victim(exclude=scheduled)   # seq itself is always a candidate

@@ -52,6 +52,8 @@ class Sequence:
     scheduled_time: float | None = None  # first time it was scheduled (queue time ends)
     num_preemptions: int = 0
     grammar: object | None = None        # structured output: this sample's llguidance matcher (engine/structured.py)
+    spec_tokens: list[int] = field(default_factory=list)  # this step's draft tokens (engine/spec), not yet output
+    spec_state: object | None = None    # engine/spec/policy.SeqSpecState once it has speculated
 
     def __post_init__(self):
         if not self.token_ids:

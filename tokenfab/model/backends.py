@@ -37,9 +37,10 @@ class AttentionBackend(Protocol):
     def attention(self, layer, qkv: torch.Tensor, rope, rope_tables, kv, meta: AttentionMetadata) -> torch.Tensor:
         """qkv [T, (H + 2 KVH) D] (q/k norms applied) -> attention output [T, H, D]; writes the new K/V."""
 
-    def run_stack(self, model, x: torch.Tensor, kv_caches, meta: AttentionMetadata) -> bool:
-        """Run the whole decoder stack on x in place if this backend has a one-call path for this
-        step; False: the model runs its layers one by one."""
+    def run_stack(self, model, x: torch.Tensor, kv_caches, meta: AttentionMetadata,
+                  num_layers: int | None = None) -> bool:
+        """Run the decoder stack (its first `num_layers` layers, or all) on x in place if this backend
+        has a one-call path for this step; False: the model runs its layers one by one."""
 
     def describe(self) -> str:
         ...
@@ -62,7 +63,7 @@ class TorchBackend:
         qk = rope.apply(qkv[:, :layer.q_size + layer.kv_size].view(T, h + kvh, d), rope_tables)
         return self.paged(qk[:, :h], qk[:, h:], v, kv[0], kv[1], meta)
 
-    def run_stack(self, model, x, kv_caches, meta) -> bool:
+    def run_stack(self, model, x, kv_caches, meta, num_layers=None) -> bool:
         return False
 
     def describe(self) -> str:
@@ -107,7 +108,7 @@ class CpuBackend(TorchBackend):
         v = qkv[:, layer.q_size + layer.kv_size:].view(T, layer.kvh, layer.d)
         return self.cpu_paged.attend(q, k, v, kv[0], kv[1], meta)
 
-    def run_stack(self, model, x, kv_caches, meta) -> bool:
+    def run_stack(self, model, x, kv_caches, meta, num_layers=None) -> bool:
         if not self.fused_decode or meta.prefills or meta.positions is None or self._stack == ():
             return False
         key = kv_caches[0][0].data_ptr()
@@ -119,7 +120,10 @@ class CpuBackend(TorchBackend):
         if x.shape[0] > self.stack_rows:
             return False
         cfg, paged = model.config, self.cpu_paged
-        kernels.decode_layers(x, self._stack[2], cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        layers = self._stack[2]
+        if num_layers is not None and num_layers < len(layers):   # self-speculative drafting: a prefix view
+            layers = (kernels.Layer * num_layers).from_buffer(layers)
+        kernels.decode_layers(x, layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                               cfg.intermediate_size, model.norm.eps, meta.positions, model.rope.cos,
                               model.rope.sin_signed, meta.slot_mapping, meta.decode_block_tables,
                               meta.decode_context_lens, paged.block_size, paged.scale)

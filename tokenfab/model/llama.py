@@ -103,14 +103,18 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Returns float32 logits for the tokens at `logits_indices` only (one per sampled sequence)."""
+                meta: AttentionMetadata, logits_indices: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+        """Returns float32 logits for the tokens at `logits_indices` only (one per sampled sequence).
+
+        `num_layers`: run only the first layers, then the final norm and LM head (self-speculative
+        drafting, engine/spec/layerskip.py); their K/V go to those layers' caches as usual."""
         x = self.embed_tokens(input_ids)
         if self.attention_backend is None:          # built by hand, not loaded: the automatic choice, once
             self.set_attention_backend(self.default_backend())
-        if not self.attention_backend.run_stack(self, x, kv_caches, meta):   # the cpu backend's one-call decode
+        # the cpu backend's one-call decode stack, else the layers one by one
+        if not self.attention_backend.run_stack(self, x, kv_caches, meta, num_layers):
             tables = self.rope.tables(positions, x.dtype)
-            for layer, kv in zip(self.layers, kv_caches):
+            for layer, kv in zip(self.layers[:num_layers], kv_caches):
                 x = layer(x, self.rope, tables, kv, meta)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()

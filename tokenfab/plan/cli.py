@@ -10,6 +10,13 @@ import json
 import sys
 
 
+def _positive_int_one(text: str) -> int:
+    vals = _positive_int_list(text)
+    if len(vals) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+    return vals[0]
+
+
 def _positive_int_list(text: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
@@ -104,6 +111,12 @@ def add_parser(subparsers) -> None:
     s.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
     s.add_argument("--num-requests", type=int, default=1000, help="requests simulated per replica count")
     s.add_argument("--max-replicas", type=int, default=4096)
+    s.add_argument("--spec-acceptance", type=float, metavar="A",
+                   help="model speculative decoding: share of draft tokens accepted (tokenfab:spec_decode_num_"
+                        "accepted_tokens / ..._num_draft_tokens); each decode then emits 1 + k*A tokens")
+    s.add_argument("--spec-tokens", type=_positive_int_one, default=4, help="k drafts per decode (default 4)")
+    s.add_argument("--spec-max-batch-size", type=_positive_int_one, default=4,
+                   help="no speculation in steps with more decoding sequences, as the engine (default 4)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--step-table", metavar="FILE", help="measured step times (from calibrate --save-table) "
                                                         "to use instead of the roofline")

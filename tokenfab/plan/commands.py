@@ -118,13 +118,24 @@ def parse_workload(spec: str) -> dict:
     return out
 
 
+def spec_settings(args) -> dict:
+    """Speculative decoding for the simulator, from `--spec-acceptance` / `--spec-tokens` (capacity)."""
+    acceptance = getattr(args, "spec_acceptance", None)
+    if acceptance is None:
+        return {}
+    if not 0.0 <= acceptance <= 1.0:
+        raise ValueError(f"--spec-acceptance must be in [0, 1] (accepted / drafted tokens), got {acceptance}")
+    return {"spec_tokens": args.spec_tokens, "spec_acceptance": acceptance,
+            "spec_max_batch_size": args.spec_max_batch_size}
+
+
 def _scheduler_for(dep: Deployment, args, context: int, policy: str = "fcfs") -> tuple[SchedulerConfig, dict]:
     plan = plan_memory(dep, memory_settings(args, context))
     if not plan.fits:
         raise ValueError(f"{dep.model.name} does not fit on {dep.tp}× {dep.hardware.name}: {plan.reason}")
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             block_size=args.block_size, num_kv_blocks=kv_blocks(plan, args.block_size),
-                            policy=policy)
+                            policy=policy, **spec_settings(args))
     return sched, plan.as_dict()
 
 

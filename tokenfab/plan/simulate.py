@@ -7,6 +7,10 @@ The policy is the engine scheduler's (tokenfab/engine/scheduler.py), step for st
    recompute and goes back to the waiting queue;
 2. waiting sequences (FCFS, or ordered by (priority, arrival)) are admitted while the token budget,
    `max_num_seqs` and the pool allow, unless this step preempted.
+Speculative decoding (`spec_tokens` k > 0) as the engine runs it: while at most `spec_max_batch_size`
+sequences decode, each decode scores 1 + k tokens and emits 1 + k x `spec_acceptance` tokens on
+average (the acceptance rate is accepted / drafted tokens, as /metrics counts them; the fraction
+carries over between steps).
 A sequence whose computed tokens catch up with its tokens samples one; the step's duration comes
 from a step-cost model (`new_shape()` / `step_time(shape)`): the roofline, or measured step times.
 Between steps the clock jumps to the next event, so a simulated hour takes milliseconds to seconds.
@@ -36,8 +40,14 @@ class SchedulerConfig:
     num_kv_blocks: int | None = None     # None: an unlimited pool
     policy: str = "fcfs"                 # fcfs | priority (online requests before offline ones)
     enable_chunked_prefill: bool = True
+    spec_tokens: int = 0                 # speculative decoding: k draft tokens per decode (0: off)
+    spec_acceptance: float = 0.0         # share of draft tokens accepted
+    spec_max_batch_size: int = 4         # as the engine: no speculation in a step with more decodes
 
     def __post_init__(self):
+        if self.spec_tokens < 0 or not 0.0 <= self.spec_acceptance <= 1.0:
+            raise ValueError(f"spec_tokens must be >= 0 and spec_acceptance in [0, 1], "
+                             f"got {self.spec_tokens} and {self.spec_acceptance}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be fcfs or priority, got {self.policy!r}")
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.block_size) < 1:
@@ -46,12 +56,13 @@ class SchedulerConfig:
 
 class _Seq:
     __slots__ = ("req", "key", "computed", "generated", "blocks", "first_sched", "first_token",
-                 "finish", "preemptions")
+                 "finish", "preemptions", "drafts", "credit")
 
     def __init__(self, req: Request):
         self.req = req
         self.key = (1 if req.offline else 0, req.arrival, req.id)   # lower runs first
-        self.computed = self.generated = self.blocks = self.preemptions = 0
+        self.computed = self.generated = self.blocks = self.preemptions = self.drafts = 0
+        self.credit = 0.0       # speculative decoding: emitted tokens owed, fractional
         self.first_sched = self.first_token = self.finish = None
 
 
@@ -182,9 +193,14 @@ class Simulator:
         preempted = False
         running = self.running
         i = 0      # running[:i] are scheduled this step; victims come from running[i:]
+        spec = cfg.spec_tokens > 0 and self._num_decoding() <= cfg.spec_max_batch_size
         while i < len(running) and budget > 0:
             seq = running[i]
             n = seq.req.prompt_len + seq.generated - seq.computed
+            seq.drafts = 0
+            if spec and n == 1 and seq.generated > 0:
+                seq.drafts = max(0, min(cfg.spec_tokens, seq.req.output_len - seq.generated - 1, budget - 1))
+                n += seq.drafts
             if n > budget:
                 n = budget
             need = -(-(seq.computed + n) // bs) - seq.blocks
@@ -208,7 +224,7 @@ class Simulator:
             if not cfg.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget)
-            seq.computed = 0
+            seq.computed = seq.drafts = 0
             if not self._allocate(seq, n):
                 if not self.running:
                     raise ValueError(f"request {seq.req.id} needs {-(-n // cfg.block_size)} KV blocks to start "
@@ -226,6 +242,9 @@ class Simulator:
             budget -= n
         return batch, shape
 
+    def _num_decoding(self) -> int:
+        return sum(1 for s in self.running if s.generated > 0 and s.computed == s.req.prompt_len + s.generated - 1)
+
     def _decode_run_length(self) -> int:
         """How many pure-decode steps can be costed without looking at each sequence: all running
         sequences decode, nobody can be admitted, nobody finishes before the last of them, and the
@@ -233,6 +252,8 @@ class Simulator:
         cfg, running = self.cfg, self.running
         if not running or len(running) > cfg.max_num_batched_tokens or self._windowed:
             return 0
+        if cfg.spec_tokens and len(running) <= cfg.spec_max_batch_size:
+            return 0                       # speculative steps go through the scheduler one by one
         if self.waiting and len(running) < cfg.max_num_seqs:
             # Admission stays impossible while the pool only shrinks: the queue's head needs more
             # blocks than are free, or the decodes use up the whole token budget.
@@ -349,7 +370,14 @@ class Simulator:
             area += in_system * (end - last_t)
             last_t = end
             for seq, n in batch:
-                seq.computed += n
+                if seq.drafts:             # a verification round: the accepted drafts plus one token
+                    seq.credit += 1 + seq.drafts * cfg.spec_acceptance
+                    emit = min(int(seq.credit), seq.req.output_len - seq.generated)
+                    seq.credit -= emit
+                    seq.computed += emit
+                    seq.generated += emit - 1      # the last one below
+                else:
+                    seq.computed += n
                 if seq.computed == seq.req.prompt_len + seq.generated:
                     seq.generated += 1
                     if seq.first_token is None:

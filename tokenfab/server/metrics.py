@@ -27,7 +27,7 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0]
 
-# (name, help, EngineStats attribute). Missing attributes read as 0 (e.g. no speculative decoding yet).
+# (name, help, EngineStats attribute). Missing attributes read as 0.
 _GAUGES = [
     ("num_requests_running", "Sequences in the running batch.", "num_running"),
     ("num_requests_waiting", "Sequences waiting to be scheduled.", "num_waiting"),
@@ -69,6 +69,13 @@ class _EngineCollector:
                                   "`tokenfab doctor` reads them.", labels=[*labels[0], *info])
             g.add_metric([*labels[1], *info.values()], 1.0)
             yield g
+        # vLLM's per-position acceptance: position i counts verification rounds whose draft i was accepted.
+        c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                "Speculative tokens accepted, by position in the draft.",
+                                labels=["model_name", "position"])
+        for pos, n in enumerate(getattr(stats, "spec_decode_num_accepted_tokens_per_pos", ())):
+            c.add_metric([self.model_name, str(pos)], float(n))
+        yield c
         g = GaugeMetricFamily(PREFIX + "engine_alive", "1 while the engine loop runs, 0 once it has died.",
                               labels=labels[0])
         g.add_metric(labels[1], 1.0 if self.async_engine.dead_reason is None else 0.0)

@@ -1,0 +1,165 @@
+"""SpecDecoder: the engine's one entry point to speculative decoding.
+
+Each step, around the engine's own schedule -> run -> sample -> postprocess:
+1. `propose(running)`, before scheduling: each decoding sequence that opts in (SamplingParams
+   `speculative`, the default) gets up to k draft tokens in `seq.spec_tokens`. The scheduler runs it
+   with 1 + len(drafts) new tokens when budget and blocks allow (else it drops the drafts), and the
+   runner takes logits at all of those positions.
+2. `sample(sampler, logits, step)`: plain rows go to the sampler as usual; a speculating sequence's
+   k + 1 rows are verified (verify.py) into the accepted drafts plus one token of the target's own.
+3. `commit(seq, tokens, append, bm)`: append those tokens one at a time through the engine's
+   `_append_token` (so stop strings, stop_token_ids, EOS, max_tokens and min_tokens hold exactly),
+   mark the accepted drafts' K/V as computed, register the blocks now fully accepted in the prefix
+   cache, and free the blocks beyond what the sequence needs. Rejected drafts' slots are simply
+   overwritten later.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenfab.engine.sampler import SampledToken, Sampler, SampleRow
+from tokenfab.engine.spec.config import SpeculativeConfig
+from tokenfab.engine.spec.ngram import NgramProposer
+from tokenfab.engine.spec.policy import AdaptivePolicy, SeqSpecState
+from tokenfab.engine.spec.verify import accept_greedy, accept_sampled, target_probs
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Counters since start, as vLLM's spec_decode_* metrics count them."""
+    num_drafts: int = 0                  # verification rounds (sequences x steps that carried drafts)
+    num_draft_tokens: int = 0            # tokens proposed and scored
+    num_accepted_tokens: int = 0         # of those, accepted
+    accepted_per_pos: list[int] = field(default_factory=list)   # [i]: rounds whose draft i was accepted
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, vocab_size: int, model=None, runner=None,
+                 block_manager=None) -> None:
+        self.config = config
+        self.k_max = config.num_speculative_tokens
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        if config.method == "layerskip":
+            from tokenfab.engine.spec.layerskip import LayerSkipProposer
+            layers = config.num_layers or model.config.num_layers // 2
+            self.proposer = LayerSkipProposer(model, runner, block_manager, layers, vocab_size)
+        else:
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.policy = AdaptivePolicy(self.k_max, config.max_batch_size, config.adaptive)
+        self.stats = SpecStats(accepted_per_pos=[0] * self.k_max)
+        self.step_index = 0
+
+    # -- 1. propose --------------------------------------------------------------------------------
+    def propose(self, running: list) -> None:
+        self.step_index += 1
+        decoding = []
+        for seq in running:
+            seq.spec_tokens = []
+            if seq.num_tokens - seq.num_computed_tokens == 1:
+                decoding.append(seq)
+        if not self.policy.step_allows(len(decoding)):
+            return
+        seqs, ks = [], []
+        room = self.config.max_step_rows - len(decoding)      # draft rows this step may add
+        for seq in decoding:
+            # Structured output is not speculated: its grammar masks the plain row only.
+            if not seq.params.speculative or seq.grammar is not None:
+                continue
+            if seq.spec_state is None:
+                seq.spec_state = SeqSpecState()
+            # Never draft past what the sequence may still emit: the target adds one token of its own.
+            left = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            k = min(self.policy.k_for(seq.spec_state, self.step_index), left)
+            if k > 0:
+                seqs.append(seq)
+                ks.append(k)
+        if hasattr(self.proposer, "propose_batch"):      # a model-based proposer drafts all at once
+            for i, k in enumerate(ks):
+                ks[i] = max(0, min(k, room))
+                room -= ks[i]
+            for seq, drafts in zip(seqs, self.proposer.propose_batch(seqs, ks) if seqs else []):
+                seq.spec_tokens = drafts
+        else:
+            for seq, k in zip(seqs, ks):
+                if room <= 0:
+                    break
+                seq.spec_tokens = self.proposer.propose(seq.token_ids, min(k, room))
+                room -= len(seq.spec_tokens)
+
+    # -- 2. verify ---------------------------------------------------------------------------------
+    def sample(self, sampler: Sampler, logits: torch.Tensor, sampling_seqs: list,
+               token_bitmask: tuple[list[int], torch.Tensor] | None = None) -> list[list[SampledToken]]:
+        """Tokens per sampling sequence; `logits` has 1 + len(seq.spec_tokens) rows per sequence.
+        `token_bitmask`: the structured-output masks by sampling-sequence index (never speculating ones)."""
+        plain_idx, plain_rows, spec = [], [], []
+        r = 0
+        for i, seq in enumerate(sampling_seqs):
+            if seq.spec_tokens:
+                spec.append((i, r))
+            else:
+                plain_idx.append(r)
+                plain_rows.append(SampleRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator))
+            r += 1 + len(seq.spec_tokens)
+        assert r == logits.shape[0], (r, tuple(logits.shape))
+        out: list[list[SampledToken]] = [[] for _ in sampling_seqs]
+        if plain_rows:
+            rows = logits if not spec else logits[torch.tensor(plain_idx, device=logits.device)]
+            plain = [i for i, s in enumerate(sampling_seqs) if not s.spec_tokens]
+            if token_bitmask is not None:       # re-index the masked rows among the plain ones
+                where = {i: j for j, i in enumerate(plain)}
+                token_bitmask = ([where[i] for i in token_bitmask[0]], token_bitmask[1])
+            for i, tok in zip(plain, sampler(rows, plain_rows, token_bitmask)):
+                out[i] = [tok]
+        for i, r in spec:
+            seq = sampling_seqs[i]
+            out[i] = self._verify(sampler, logits[r:r + 1 + len(seq.spec_tokens)], seq)
+        return out
+
+    def _verify(self, sampler: Sampler, logits: torch.Tensor, seq) -> list[SampledToken]:
+        drafts, p = seq.spec_tokens, seq.params
+        x = logits[:, : self.vocab_size]
+        out = seq.output_token_ids
+        # Row i is scored as if d_1..d_i were already output: penalties and min_tokens see them.
+        rows = [SampleRow(p, seq.prompt_token_ids, out + drafts[:i], seq.generator) for i in range(len(drafts) + 1)]
+        processed = sampler.process_logits(x, rows)
+        if p.greedy:
+            accepted, nxt = accept_greedy(processed, drafts)
+        else:
+            accepted, nxt = accept_sampled(target_probs(processed, p), drafts, seq.generator)
+        tokens = accepted + [nxt]
+        self._count(seq, len(drafts), len(accepted))
+        if p.logprobs is None:
+            return [SampledToken(t, None, None) for t in tokens]
+        raw = torch.log_softmax(x[: len(tokens)].float(), dim=-1)   # of the raw logits, as the sampler
+        chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None])[:, 0].tolist()
+        top_v, top_i = raw.topk(p.logprobs, dim=-1) if p.logprobs else (raw[:, :0], raw[:, :0].long())
+        return [SampledToken(t, lp, dict(zip(ti, tv)))
+                for t, lp, ti, tv in zip(tokens, chosen, top_i.tolist(), top_v.tolist())]
+
+    def _count(self, seq, num_drafts: int, num_accepted: int) -> None:
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += num_drafts
+        s.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            s.accepted_per_pos[i] += 1
+        self.policy.observe(seq.spec_state, num_drafts, num_accepted, self.step_index)
+
+    # -- 3. commit ---------------------------------------------------------------------------------
+    @staticmethod
+    def commit(seq, tokens: list[SampledToken], append, block_manager) -> None:
+        """Append `tokens` (accepted drafts, then the target's own) one at a time, stopping at the first
+        finish. Before this, `seq.num_computed_tokens` counts the context up to the drafts."""
+        had_drafts = bool(seq.spec_tokens)
+        seq.spec_tokens = []
+        for j, tok in enumerate(tokens):
+            append(seq, tok)
+            if seq.status.finished:          # its blocks are freed already
+                return
+            if j < len(tokens) - 1:          # an accepted draft: its K/V were computed in this step
+                seq.num_computed_tokens += 1
+        if had_drafts:
+            block_manager.cache_full_blocks(seq)
+            block_manager.trim(seq, seq.num_tokens)
