@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import tempfile
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import tokenfab
 from tokenfab.engine.async_engine import AsyncEngine
-from tokenfab.server import chat, completions
+from tokenfab.batch.service import BatchService
+from tokenfab.batch.store import BatchStore
+from tokenfab.server import batch_routes, chat, completions
 from tokenfab.server.config import ServerConfig
 from tokenfab.server.doctor_route import add_doctor_route
 from tokenfab.server.errors import APIError, install_error_handlers
@@ -47,13 +50,20 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     state = ServerState(async_engine, config, names, metrics)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(app: FastAPI):
         async_engine.start()
-        try:
-            yield
-        finally:
-            state.draining = True
-            await async_engine.stop()
+        with contextlib.ExitStack() as cleanup:
+            data_dir = config.data_dir or cleanup.enter_context(tempfile.TemporaryDirectory(prefix="tokenfab-batch-"))
+            store = cleanup.enter_context(contextlib.closing(
+                BatchStore(data_dir, config.batch_max_file_bytes, config.batch_max_total_bytes)))
+            app.state.batches = BatchService(store, app, config.batch_concurrency or async_engine.engine.config.max_num_seqs)
+            app.state.batches.resume()       # batches a previous run left unfinished carry on
+            try:
+                yield
+            finally:
+                state.draining = True
+                await app.state.batches.stop()
+                await async_engine.stop()
 
     app = FastAPI(title="tokenfab", version=tokenfab.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
@@ -61,13 +71,15 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(batch_routes.router)
     _add_small_routes(app, state)
     add_doctor_route(app, state)
     if config.ui:
         add_ui_routes(app)
 
     # add_middleware wraps outside-in in reverse order of the calls: the last added runs first.
-    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes,
+                       path_limits={"/v1/files": config.batch_max_file_bytes + (64 << 10)})   # + multipart framing
     if config.api_keys:
         app.add_middleware(APIKeyAuth, api_keys=config.api_keys)
     if config.allowed_origins:

@@ -19,6 +19,10 @@ class ServerConfig:
     access_log: bool = True
     small_batch_threads: int | None = None   # torch threads for steps of few sequences; None: torch's setting
     ui: bool = True                          # the web page at / (chat, dashboard, bench viewer, doctor)
+    data_dir: str | None = None              # Batch API files and jobs (SQLite); None: a temporary dir, not durable
+    batch_max_file_bytes: int = 200 << 20    # per uploaded file (OpenAI's limit)
+    batch_max_total_bytes: int = 10 << 30    # all stored files together
+    batch_concurrency: int | None = None     # batch lines in the engine at once; None: the engine's max_num_seqs
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -29,5 +33,9 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if self.batch_max_file_bytes < 1 or self.batch_max_total_bytes < self.batch_max_file_bytes:
+            raise ValueError("batch_max_file_bytes must be >= 1 and batch_max_total_bytes at least as large")
+        if self.batch_concurrency is not None and self.batch_concurrency < 1:
+            raise ValueError(f"batch_concurrency must be >= 1, got {self.batch_concurrency}")
         if any(not k for k in self.api_keys):
             raise ValueError("an API key must not be empty")
