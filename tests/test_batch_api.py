@@ -176,3 +176,5 @@ def test_upload_limits_and_bad_requests_are_4xx_with_openai_errors(server, clien
         assert client.files.delete(i).deleted
     with pytest.raises(Exception):
         client.files.retrieve(ids[0])
+
+

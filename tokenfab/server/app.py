@@ -48,6 +48,8 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     metrics = ServerMetrics(async_engine, names[0])
     async_engine.listener = metrics
     state = ServerState(async_engine, config, names, metrics)
+    if config.slo_ttft_ms is not None or config.slo_tpot_ms is not None:
+        _install_slo(state, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -88,6 +90,18 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
                            allow_headers=["Authorization", "Content-Type"])
     app.add_middleware(AccessLog, enabled=config.access_log)
     return app
+
+
+def _install_slo(state: ServerState, config: ServerConfig) -> None:
+    """Admission by predicted latency: the step model learns from the engine's own steps."""
+    from tokenfab.server.slo import Listeners, OnlineStepCost, SloAdmission
+    engine = state.async_engine.engine
+    online = OnlineStepCost(engine, then=engine.step_observer)
+    engine.step_observer = online
+    ms = lambda v: None if v is None else v / 1e3                   # noqa: E731
+    state.slo = SloAdmission(online, ms(config.slo_ttft_ms), ms(config.slo_tpot_ms))
+    state.async_engine.listener = Listeners(state.metrics, state.slo)
+    state.metrics.registry.register(state.slo)
 
 
 def _add_small_routes(app: FastAPI, st: ServerState) -> None:

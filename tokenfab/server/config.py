@@ -23,6 +23,8 @@ class ServerConfig:
     batch_max_file_bytes: int = 200 << 20    # per uploaded file (OpenAI's limit)
     batch_max_total_bytes: int = 10 << 30    # all stored files together
     batch_concurrency: int | None = None     # batch lines in the engine at once; None: the engine's max_num_seqs
+    slo_ttft_ms: float | None = None         # interactive TTFT target: shed (429) what cannot meet it (server/slo.py)
+    slo_tpot_ms: float | None = None         # interactive TPOT target
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -37,5 +39,9 @@ class ServerConfig:
             raise ValueError("batch_max_file_bytes must be >= 1 and batch_max_total_bytes at least as large")
         if self.batch_concurrency is not None and self.batch_concurrency < 1:
             raise ValueError(f"batch_concurrency must be >= 1, got {self.batch_concurrency}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be a positive number of milliseconds, got {v}")
         if any(not k for k in self.api_keys):
             raise ValueError("an API key must not be empty")
