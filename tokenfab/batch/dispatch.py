@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from starlette.requests import Request
 
 from tokenfab.server import chat, completions
 from tokenfab.server.errors import APIError
 
+log = logging.getLogger("tokenfab.batch")
 ROUTES = {"/v1/chat/completions": chat.create_chat_completion,
           "/v1/completions": completions.create_completion}
 BATCH_TIER = "flex"
@@ -43,4 +45,7 @@ async def call_route(app, url: str, body: dict) -> tuple[int, str | None, dict]:
         response = await ROUTES[url](Request(scope, receive))
     except APIError as e:
         return e.status, None, e.body()
+    except Exception as e:             # what the app's handler would answer over HTTP: a 500, logged
+        log.exception("batch line to %s failed", url)
+        return 500, None, APIError(500, f"internal error ({type(e).__name__}); the server log has details").body()
     return response.status_code, response.headers.get("x-request-id"), json.loads(response.body)
