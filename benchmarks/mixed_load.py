@@ -59,8 +59,13 @@ def main() -> None:
         cap = bench(url, args, os.path.join(tmp, "cap.json"), "--num-prompts", str(args.num_prompts),
                     "--max-concurrency", str(args.concurrency))["summary"]
         rate = args.load * cap["request_throughput"]
+        print(f"capacity: {cap['request_throughput']:.2f} req/s, {cap['output_throughput']:.1f} output tok/s "
+              f"(closed loop, {args.concurrency} in flight); interactive at {rate:.2f} req/s ({args.load:.0%})",
+              flush=True)
         poisson = ("--num-prompts", str(args.num_prompts), "--request-rate", f"{rate:.3f}")
         alone = bench(url, args, os.path.join(tmp, "alone.json"), *poisson)["summary"]
+        print(f"interactive only: P99 TTFT {alone['p99_ttft_ms']:.0f} ms, P99 TPOT {alone['p99_tpot_ms']:.1f} ms",
+              flush=True)
 
         client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=2, timeout=120)
         lines = [json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
@@ -84,8 +89,6 @@ def main() -> None:
         short = long_run["buckets"][0]
 
     idle_tok_s = cap["output_throughput"] - alone["output_throughput"]
-    print(f"capacity: {cap['request_throughput']:.2f} req/s, {cap['output_throughput']:.1f} output tok/s "
-          f"(closed loop, {args.concurrency} in flight); interactive at {rate:.2f} req/s ({args.load:.0%})")
     print(f"{'':34}{'P50 TTFT':>10}{'P99 TTFT':>10}{'P50 TPOT':>10}{'P99 TPOT':>10}  (ms)")
     for name, s in (("interactive only", alone), ("with a batch job", mixed),
                     (f"with {args.long_fraction:.0%} long prompts: short ones", short)):
