@@ -17,6 +17,7 @@ _COMMAND_MODULES = [
     "tokenfab.quant.cli",    # quant
     "tokenfab.plan.cli",     # plan
     "tokenfab.doctor.cli",   # doctor
+    "tokenfab.batch.cli",    # batch run
 ]
 
 

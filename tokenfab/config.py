@@ -25,6 +25,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"             # auto (= dtype) | int8
     quantization: str = "auto"               # auto | none (float) | gguf (blocks as shipped) | int8 | int4[-g32|-g64|-g128]
     scheduling_policy: str = "fcfs"          # fcfs | priority
+    batch_prefill_share: float = 0.25        # most of a step's token budget batch-class prefills may take (engine/lanes.py)
+    long_prompt_threshold: int | None = None  # prompts of at least this many tokens prefill in their own lane
+    max_long_prefill_tokens: int = 512       # that lane's prefill tokens per step
     seed: int = 0
     num_threads: int | None = None           # torch intra-op threads; None: torch's default
     # -- kernels: chosen once at load (tokenfab/kernels/linear.py, tokenfab/model/backends.py) ----------
@@ -75,6 +78,12 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not 0 < self.batch_prefill_share <= 1:
+            raise ValueError(f"batch_prefill_share must be in (0, 1], got {self.batch_prefill_share}")
+        if self.long_prompt_threshold is not None and self.long_prompt_threshold < 2:
+            raise ValueError(f"long_prompt_threshold must be at least 2 tokens, got {self.long_prompt_threshold}")
+        if self.max_long_prefill_tokens < 1:
+            raise ValueError(f"max_long_prefill_tokens must be positive, got {self.max_long_prefill_tokens}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         from tokenfab.engine.spec.config import SpeculativeConfig

@@ -101,6 +101,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                         f"(default: {d.quantization})")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
                    help=f"fcfs, or priority (lower `priority` values run first) (default: {d.scheduling_policy})")
+    g.add_argument("--batch-prefill-share", type=float, default=None, metavar="FRACTION",
+                   help="most of a step's token budget that batch-class prefills (service_tier flex, the Batch API) "
+                        f"may take, so interactive prompts never wait behind a whole batch prefill (default: {d.batch_prefill_share})")
+    g.add_argument("--long-prompt-threshold", type=_positive_int, default=None, metavar="TOKENS",
+                   help="prompts of at least this many tokens prefill in their own lane, capped by "
+                        "--max-long-prefill-tokens per step (default: no lane)")
+    g.add_argument("--max-long-prefill-tokens", type=_positive_int, default=None, metavar="TOKENS",
+                   help=f"the long-prompt lane's prefill tokens per step (default: {d.max_long_prefill_tokens})")
     g.add_argument("--seed", type=int, default=None, help=f"engine seed (default: {d.seed})")
     g.add_argument("--num-threads", type=_positive_int, default=None,
                    help="torch intra-op threads (default: torch's choice)")

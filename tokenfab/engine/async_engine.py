@@ -68,6 +68,7 @@ class _Add:
     priority: int
     arrival_time: float | None
     future: asyncio.Future
+    service_class: str = "interactive"
 
 
 @dataclass(slots=True)
@@ -191,7 +192,8 @@ class AsyncEngine:
 
     # -- requests (event loop side) -----------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0, arrival_time: float | None = None) -> RequestStream:
+                          priority: int = 0, arrival_time: float | None = None,
+                          service_class: str = "interactive") -> RequestStream:
         """Queue a request and return its stream once the engine has accepted it.
 
         Raises EngineDeadError, QueueFullError, or ValueError (bad input; nothing was queued).
@@ -207,7 +209,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         future = self._loop.create_future()
         self._adds_submitted += 1
-        self._inbox.put(_Add(request_id, prompt, params, priority, arrival_time, future))
+        self._inbox.put(_Add(request_id, prompt, params, priority, arrival_time, future, service_class))
         try:
             stream.prompt_token_ids = await future
         except BaseException as e:
@@ -347,7 +349,8 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 try:
                     ids = self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                                                  priority=cmd.priority, arrival_time=cmd.arrival_time)
+                                                  priority=cmd.priority, arrival_time=cmd.arrival_time,
+                                                  service_class=cmd.service_class)
                     self._post(_resolve, cmd.future, ids, None)
                 except ValueError as e:
                     self._post(_resolve, cmd.future, None, e)

@@ -14,6 +14,7 @@ from tokenfab.config import EngineConfig
 from tokenfab.engine.detokenizer import IncrementalDetokenizer
 from tokenfab.engine import prompt_logprobs
 from tokenfab.engine.kv_cache import BlockManager
+from tokenfab.engine.lanes import SERVICE_CLASSES
 from tokenfab.engine.runner import ModelRunner
 from tokenfab.engine.sampler import Sampler, SampleRow
 from tokenfab.engine.scheduler import Scheduler
@@ -155,7 +156,8 @@ class LLMEngine:
         del files
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.scheduling_policy)
+                                   config.enable_chunked_prefill, config.scheduling_policy, config.batch_prefill_share,
+                                   config.long_prompt_threshold, config.max_long_prefill_tokens)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype, config.device)
         self.eos_token_ids = list(mcfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, mcfg.vocab_size)
@@ -233,9 +235,13 @@ class LLMEngine:
                              f"(at least one token must be left to generate)")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> list[int]:
-        """Queue a request. Raises ValueError (changing nothing) on bad input. Returns the prompt ids."""
+                    priority: int = 0, arrival_time: float | None = None,
+                    service_class: str = "interactive") -> list[int]:
+        """Queue a request. Raises ValueError (changing nothing) on bad input. Returns the prompt ids.
+        service_class: interactive | batch (engine/lanes.py)."""
         params = params or SamplingParams()
+        if service_class not in SERVICE_CLASSES:
+            raise ValueError(f"service_class must be one of {', '.join(SERVICE_CLASSES)}, got {service_class!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams")
         if request_id in self.requests:
@@ -251,7 +257,8 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
         for i in range(params.n):
-            seq = Sequence(request_id, i, ids, params, max_tokens, priority=priority, arrival_time=arrival)
+            seq = Sequence(request_id, i, ids, params, max_tokens, priority=priority, arrival_time=arrival,
+                           service_class=service_class)
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed + i)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)

@@ -35,6 +35,7 @@ class Sequence:
     params: SamplingParams
     max_tokens: int                     # params.max_tokens, clamped to what max_model_len leaves
     priority: int = 0                   # lower runs first under the priority policy (as vLLM)
+    service_class: str = "interactive"  # interactive | batch (engine/lanes.py)
     arrival_time: float = field(default_factory=time.monotonic)
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     token_ids: list[int] = field(default_factory=list)   # prompt + output

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import tempfile
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import tokenfab
 from tokenfab.engine.async_engine import AsyncEngine
-from tokenfab.server import chat, completions
+from tokenfab.batch.service import BatchService
+from tokenfab.batch.store import BatchStore
+from tokenfab.server import batch_routes, chat, completions
 from tokenfab.server.config import ServerConfig
 from tokenfab.server.doctor_route import add_doctor_route
 from tokenfab.server.errors import APIError, install_error_handlers
@@ -47,15 +50,24 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     metrics = ServerMetrics(async_engine, names[0])
     async_engine.listener = metrics
     state = ServerState(async_engine, config, names, metrics)
+    if config.slo_ttft_ms is not None or config.slo_tpot_ms is not None:
+        _install_slo(state, config)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(app: FastAPI):
         async_engine.start()
-        try:
-            yield
-        finally:
-            state.draining = True
-            await async_engine.stop()
+        with contextlib.ExitStack() as cleanup:
+            data_dir = config.data_dir or cleanup.enter_context(tempfile.TemporaryDirectory(prefix="tokenfab-batch-"))
+            store = cleanup.enter_context(contextlib.closing(
+                BatchStore(data_dir, config.batch_max_file_bytes, config.batch_max_total_bytes)))
+            app.state.batches = BatchService(store, app, config.batch_concurrency or async_engine.engine.config.max_num_seqs)
+            app.state.batches.resume()       # batches a previous run left unfinished carry on
+            try:
+                yield
+            finally:
+                state.draining = True
+                await app.state.batches.stop()
+                await async_engine.stop()
 
     app = FastAPI(title="tokenfab", version=tokenfab.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
@@ -63,6 +75,7 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(batch_routes.router)
     _add_small_routes(app, state)
     add_doctor_route(app, state)
     if config.ui:
@@ -70,7 +83,8 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     install_openapi(app)
 
     # add_middleware wraps outside-in in reverse order of the calls: the last added runs first.
-    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes,
+                       path_limits={"/v1/files": config.batch_max_file_bytes + (64 << 10)})   # + multipart framing
     if config.api_keys:
         app.add_middleware(APIKeyAuth, api_keys=config.api_keys)
     if config.allowed_origins:
@@ -88,6 +102,18 @@ def _get_and_head(app: FastAPI, path: str):
         app.head(path)(fn)
         return app.get(path)(fn)
     return register
+
+
+def _install_slo(state: ServerState, config: ServerConfig) -> None:
+    """Admission by predicted latency: the step model learns from the engine's own steps."""
+    from tokenfab.server.slo import Listeners, OnlineStepCost, SloAdmission
+    engine = state.async_engine.engine
+    online = OnlineStepCost(engine, then=engine.step_observer)
+    engine.step_observer = online
+    ms = lambda v: None if v is None else v / 1e3                   # noqa: E731
+    state.slo = SloAdmission(online, ms(config.slo_ttft_ms), ms(config.slo_tpot_ms))
+    state.async_engine.listener = Listeners(state.metrics, state.slo)
+    state.metrics.registry.register(state.slo)
 
 
 def _add_small_routes(app: FastAPI, st: ServerState) -> None:

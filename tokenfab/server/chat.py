@@ -64,7 +64,7 @@ async def create_chat_completion(request: Request) -> Response:
 
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     access = request.state.access = {"id": rid, "prompt_tokens": len(ids), "output_tokens": 0}
-    (stream,) = await st.start(rid, [ids], params, req.priority, arrival)
+    (stream,) = await st.start(rid, [ids], params, req.priority, arrival, req.service_class)
     if req.stream:
         return sse_response(framed(_stream(st, req, rid, stream, top_n, params.n, access, arrival, tools),
                                    [stream], access), rid)

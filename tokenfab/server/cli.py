@@ -51,6 +51,21 @@ def add_parser(subparsers) -> None:
     g.add_argument("--step-log", metavar="FILE.jsonl",
                    help="append one JSON line per engine step (shape and wall time): a measured step table for "
                         "`tokenfab plan capacity --step-table` and `plan validate`")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
+                   help="interactive time-to-first-token target: a request predicted to miss it gets 429 "
+                        "slo_unattainable with Retry-After at once (batch-class requests wait) (default: none)")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
+                   help="interactive time-per-output-token target, enforced the same way (default: none)")
+    b = p.add_argument_group("batch API (/v1/files, /v1/batches; docs/batch.md)")
+    b.add_argument("--data-dir", metavar="DIR",
+                   help="keep batch files and jobs here (SQLite + files); a restarted server resumes unfinished "
+                        "batches (default: a temporary dir, deleted on exit)")
+    b.add_argument("--batch-max-file-bytes", type=parse_size, default=200 << 20,
+                   help="largest file POST /v1/files accepts, e.g. 200MiB (default: 200MiB)")
+    b.add_argument("--batch-max-total-bytes", type=parse_size, default=10 << 30,
+                   help="all stored files together, e.g. 10GiB (default: 10GiB)")
+    b.add_argument("--batch-concurrency", type=int, default=None, metavar="N",
+                   help="batch lines in the engine at once (default: --max-num-seqs)")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="log level (default: info)")
     p.set_defaults(func=serve_command)
@@ -66,7 +81,10 @@ def server_config_from_args(args: argparse.Namespace):
                           max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
                           allowed_origins=list(args.allowed_origins or []), shutdown_timeout=args.shutdown_timeout,
                           access_log=args.access_log, small_batch_threads=small_batch_threads(args.small_batch_threads),
-                          ui=args.ui, max_n=args.max_n, max_request_sequences=args.max_request_sequences)
+                          max_n=args.max_n, max_request_sequences=args.max_request_sequences,
+                          ui=args.ui, data_dir=args.data_dir, batch_max_file_bytes=args.batch_max_file_bytes,
+                          batch_max_total_bytes=args.batch_max_total_bytes, batch_concurrency=args.batch_concurrency,
+                          slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
     config.validate()
     return config
 

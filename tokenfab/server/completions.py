@@ -52,7 +52,7 @@ async def create_completion(request: Request) -> Response:
 
     rid = f"cmpl-{uuid.uuid4().hex}"
     access = request.state.access = {"id": rid, "prompt_tokens": sum(map(len, prompt_ids)), "output_tokens": 0}
-    streams = await st.start(rid, prompt_ids, params, req.priority, arrival)
+    streams = await st.start(rid, prompt_ids, params, req.priority, arrival, req.service_class)
     echoes = [p if isinstance(p, str) else st.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)] \
         if req.echo else None
     if req.stream:

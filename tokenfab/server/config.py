@@ -21,6 +21,12 @@ class ServerConfig:
     ui: bool = True                          # the web page at / (chat, dashboard, bench viewer, doctor)
     max_n: int = 128                         # choices per request (OpenAI's limit); more get 400
     max_request_sequences: int = 1024        # prompts x n one request may start; more get 400
+    data_dir: str | None = None              # Batch API files and jobs (SQLite); None: a temporary dir, not durable
+    batch_max_file_bytes: int = 200 << 20    # per uploaded file (OpenAI's limit)
+    batch_max_total_bytes: int = 10 << 30    # all stored files together
+    batch_concurrency: int | None = None     # batch lines in the engine at once; None: the engine's max_num_seqs
+    slo_ttft_ms: float | None = None         # interactive TTFT target: shed (429) what cannot meet it (server/slo.py)
+    slo_tpot_ms: float | None = None         # interactive TPOT target
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -34,5 +40,13 @@ class ServerConfig:
         if self.max_n < 1 or self.max_request_sequences < 1:
             raise ValueError(f"max_n and max_request_sequences must be >= 1, got {self.max_n}, "
                              f"{self.max_request_sequences}")
+        if self.batch_max_file_bytes < 1 or self.batch_max_total_bytes < self.batch_max_file_bytes:
+            raise ValueError("batch_max_file_bytes must be >= 1 and batch_max_total_bytes at least as large")
+        if self.batch_concurrency is not None and self.batch_concurrency < 1:
+            raise ValueError(f"batch_concurrency must be >= 1, got {self.batch_concurrency}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be a positive number of milliseconds, got {v}")
         if any(not k for k in self.api_keys):
             raise ValueError("an API key must not be empty")

@@ -106,16 +106,18 @@ class BodySizeLimit:
 
     The body is read here in full (handlers read it whole anyway) and replayed to the app."""
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app, max_bytes: int, path_limits: dict[str, int] | None = None) -> None:
         self.app, self.max_bytes = app, max_bytes
+        self.path_limits = path_limits or {}     # e.g. file uploads, sized by their own flag
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
-        too_big = (f"request body is larger than the limit of {self.max_bytes} bytes "
-                   "(raise it with --max-body-bytes)")
+        limit = self.path_limits.get(scope["path"], self.max_bytes)
+        flag = "--batch-max-file-bytes" if scope["path"] in self.path_limits else "--max-body-bytes"
+        too_big = f"request body is larger than the limit of {limit} bytes (raise it with {flag})"
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+        if length is not None and length.isdigit() and int(length) > limit:
             return await send_error(send, 413, too_big, "request_too_large")
         chunks, size = [], 0
         while True:
@@ -124,7 +126,7 @@ class BodySizeLimit:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_bytes:
+            if size > limit:
                 return await send_error(send, 413, too_big, "request_too_large")
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from tokenfab.engine.lanes import SERVICE_TIERS
+
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
@@ -42,6 +44,7 @@ class SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    service_tier: str | None = None         # auto | default: interactive; flex: the batch class (engine/lanes.py)
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -52,6 +55,17 @@ class SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @field_validator("service_tier")
+    @classmethod
+    def _service_tier(cls, v):
+        if v is not None and v not in SERVICE_TIERS:
+            raise ValueError("service_tier must be \"auto\", \"default\" or \"flex\"")
+        return v
+
+    @property
+    def service_class(self) -> str:
+        return SERVICE_TIERS[self.service_tier]
 
     @field_validator("stop")
     @classmethod

@@ -38,6 +38,7 @@ class ServerState:
     model_names: list[str]
     metrics: ServerMetrics
     draining: bool = False
+    slo: object | None = None                  # server/slo.py SloAdmission, with --slo-ttft-ms / --slo-tpot-ms
     created: int = field(default_factory=lambda: int(time.time()))
     _warned_fields: set[str] = field(default_factory=set)
 
@@ -135,14 +136,19 @@ class ServerState:
 
     # -- running ---------------------------------------------------------------------------------
     async def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                    priority: int, arrival_time: float) -> list[RequestStream]:
+                    priority: int, arrival_time: float, service_class: str = "interactive") -> list[RequestStream]:
         """Queue one engine request per prompt (ids `request_id` or `request_id-i`); all or none."""
         self.check_available()
+        if self.slo is not None:
+            self.slo.admit(sum(map(len, prompts)) * params.n, service_class)
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.async_engine.add_request(rid, ids, params, priority, arrival_time))
+                if self.slo is not None:
+                    self.slo.track([rid], service_class)     # before its first token can arrive
+                streams.append(await self.async_engine.add_request(rid, ids, params, priority, arrival_time,
+                                                                   service_class))
         except BaseException as e:
             for s in streams:
                 s.abort()

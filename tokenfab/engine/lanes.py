@@ -1,0 +1,61 @@
+"""Service classes and prefill lanes: which work a step serves first, and how much of a step a lane may take.
+
+- Service class: `interactive` (the default) or `batch` (OpenAI's `service_tier: "flex"`, and every
+  Batch API line). Interactive sequences are queued, scheduled and kept ahead of batch ones; batch work
+  fills what budget is left, and batch sequences are the first preempted when the pool or the sequence
+  cap is short.
+- Lanes cap prefill tokens per step: batch prefills to `batch_prefill_share` of the step's budget, and
+  prompts of at least `long_prompt_threshold` tokens to `max_long_prefill_tokens`, so neither a batch
+  job nor one 8k-token prompt makes a short interactive prompt wait behind a whole prefill. The caps
+  apply only with chunked prefill (without it a capped prompt could never start).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+INTERACTIVE = "interactive"
+BATCH = "batch"
+SERVICE_CLASSES = (INTERACTIVE, BATCH)
+# OpenAI's service_tier values and the class each maps to ("flex": cheaper, slower, may wait).
+SERVICE_TIERS = {None: INTERACTIVE, "auto": INTERACTIVE, "default": INTERACTIVE, "flex": BATCH}
+
+
+def class_rank(seq) -> int:
+    """0 for interactive, 1 for batch: sorts interactive work first."""
+    return int(seq.service_class == BATCH)
+
+
+@dataclass(slots=True)
+class PrefillCaps:
+    """One step's remaining prefill allowance per lane (None: no cap)."""
+    batch_left: int | None
+    long_left: int | None
+    long_threshold: int | None
+
+    @classmethod
+    def for_step(cls, budget: int, batch_share: float, long_threshold: int | None,
+                 max_long_tokens: int | None) -> "PrefillCaps":
+        batch = None if batch_share >= 1 else max(1, int(budget * batch_share))
+        long = max_long_tokens if long_threshold is not None else None
+        return cls(batch, long, long_threshold)
+
+    def _is_long(self, seq) -> bool:
+        return self.long_threshold is not None and seq.num_prompt_tokens >= self.long_threshold
+
+    def clamp(self, seq, n: int) -> int:
+        """How many of `n` prefill tokens `seq` may run this step (a decode, n == 1, is never capped)."""
+        if n <= 1:
+            return n
+        if seq.service_class == BATCH and self.batch_left is not None:
+            n = min(n, self.batch_left)
+        if self.long_left is not None and self._is_long(seq):
+            n = min(n, self.long_left)
+        return n
+
+    def spend(self, seq, n: int) -> None:
+        if n <= 1:
+            return
+        if seq.service_class == BATCH and self.batch_left is not None:
+            self.batch_left -= n
+        if self.long_left is not None and self._is_long(seq):
+            self.long_left -= n

@@ -1,0 +1,161 @@
+"""The Batch API's HTTP side: /v1/files and /v1/batches, as OpenAI defines them.
+
+    POST /v1/files (multipart: file, purpose=batch)   GET /v1/files, /v1/files/{id}, /v1/files/{id}/content
+    DELETE /v1/files/{id}
+    POST /v1/batches {input_file_id, endpoint, completion_window: "24h", metadata}
+    GET /v1/batches?limit=&after=   GET /v1/batches/{id}   POST /v1/batches/{id}/cancel
+
+The work happens in tokenfab.batch (store, runner, service); this module parses and answers.
+"""
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenfab.batch.lines import ENDPOINTS
+from tokenfab.batch.service import BatchService
+from tokenfab.batch.store import StoreError
+from tokenfab.server.errors import APIError
+
+router = APIRouter()
+FILE_PURPOSES = ("batch",)
+MAX_METADATA_KEYS = 16
+
+
+def _service(request: Request) -> BatchService:
+    return request.app.state.batches
+
+
+def _store(request: Request):
+    return _service(request).store
+
+
+def _api(e: StoreError) -> APIError:
+    return APIError(e.status, str(e), param=e.param, code=e.code)
+
+
+# -- files --------------------------------------------------------------------------------------
+@router.post("/v1/files")
+async def upload_file(request: Request) -> JSONResponse:
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise APIError(400, "upload a file as multipart/form-data with the fields file and purpose", param="file")
+    form = await request.form(max_files=1, max_fields=8)
+    try:
+        purpose, upload = form.get("purpose"), form.get("file")
+        if purpose not in FILE_PURPOSES:
+            raise APIError(400, f"purpose must be one of {', '.join(FILE_PURPOSES)}, got {purpose!r}",
+                           param="purpose", code="invalid_purpose")
+        if upload is None or isinstance(upload, str):
+            raise APIError(400, "the form has no file part named 'file'", param="file", code="missing_file")
+        data = await upload.read()
+        filename = upload.filename or "upload.jsonl"
+    finally:
+        await form.close()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"a batch file must be UTF-8 JSON lines (bad byte at offset {e.start})",
+                       param="file", code="invalid_file") from None
+    if not data.strip():
+        raise APIError(400, "the file is empty; a batch file holds one JSON request per line",
+                       param="file", code="invalid_file")
+    try:
+        return JSONResponse(_store(request).add_file(filename, purpose, data))
+    except StoreError as e:
+        raise _api(e) from None
+
+
+@router.get("/v1/files")
+async def list_files(request: Request, purpose: str | None = None) -> dict:
+    return {"object": "list", "data": _store(request).list_files(purpose), "has_more": False}
+
+
+@router.get("/v1/files/{file_id}")
+async def get_file(request: Request, file_id: str) -> dict:
+    try:
+        return _store(request).get_file(file_id)
+    except StoreError as e:
+        raise _api(e) from None
+
+
+@router.get("/v1/files/{file_id}/content")
+async def file_content(request: Request, file_id: str) -> Response:
+    try:
+        return Response(_store(request).file_content(file_id), media_type="application/jsonl")
+    except StoreError as e:
+        raise _api(e) from None
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(request: Request, file_id: str) -> dict:
+    try:
+        return _store(request).delete_file(file_id)
+    except StoreError as e:
+        raise _api(e) from None
+
+
+# -- batches ------------------------------------------------------------------------------------
+@router.post("/v1/batches")
+async def create_batch(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    endpoint = body.get("endpoint")
+    if endpoint not in ENDPOINTS:
+        raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
+    if body.get("completion_window") != "24h":
+        raise APIError(400, f"completion_window must be \"24h\", got {body.get('completion_window')!r}",
+                       param="completion_window")
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= MAX_METADATA_KEYS and all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items())):
+        raise APIError(400, f"metadata must map at most {MAX_METADATA_KEYS} keys (64 characters) to strings "
+                            "(512 characters)", param="metadata")
+    file_id = body.get("input_file_id")
+    store = _store(request)
+    try:
+        f = store.get_file(file_id) if isinstance(file_id, str) else None
+    except StoreError:
+        f = None
+    if f is None:
+        raise APIError(400, f"input_file_id {file_id!r} is not an uploaded file; upload one with POST /v1/files",
+                       param="input_file_id", code="file_not_found")
+    if f["purpose"] != "batch":
+        raise APIError(400, f"file {file_id} has purpose {f['purpose']!r}; a batch needs a file uploaded with "
+                            "purpose \"batch\"", param="input_file_id")
+    obj = store.create_batch(file_id, endpoint, "24h", metadata, request.app.state.tokenfab.model_name)
+    _service(request).submit(obj["id"])
+    return obj
+
+
+@router.get("/v1/batches")
+async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> dict:
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit must be in 1..100, got {limit}", param="limit")
+    try:
+        data, more = _store(request).list_batches(limit, after)
+    except StoreError as e:
+        raise _api(e) from None
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}
+
+
+@router.get("/v1/batches/{batch_id}")
+async def get_batch(request: Request, batch_id: str) -> dict:
+    try:
+        return _store(request).get_batch(batch_id)
+    except StoreError as e:
+        raise _api(e) from None
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(request: Request, batch_id: str) -> dict:
+    try:
+        return await _service(request).cancel(batch_id)
+    except StoreError as e:
+        raise _api(e) from None

@@ -1,0 +1,247 @@
+"""Latency targets for the interactive class: predict a new request's TTFT, shed it early when the
+target cannot be met, and report predicted and achieved latency and goodput per service class.
+
+    tokenfab serve --slo-ttft-ms 2000 --slo-tpot-ms 200
+
+- The step cost is `plan`'s model (`MeasuredStepCost`), fitted online to this server's own steps: the
+  engine's `step_observer` feeds every step's shape and wall time to `OnlineStepCost`, which refits
+  every REFIT_EVERY steps over the last WINDOW. Until MIN_ROWS steps have run nothing is shed.
+- The queue is read in the engine thread at the end of each step (`QueueSnapshot`): interactive
+  prefill tokens still to run, running decodes and their mean context, and the batch prefill chunk a
+  step carries. Requests admitted since that snapshot are added on the event loop.
+- A new interactive request's TTFT is the time of the steps that clear the interactive prefill
+  ahead of it and its own prompt, each step also carrying the running decodes and the batch chunk.
+  Over `--slo-ttft-ms` (or, with `--slo-tpot-ms`, when one more decode would make the step slower
+  than the target), it gets 429 `slo_unattainable` with `Retry-After`, at once: never a silent
+  multi-second queue. Batch-class requests are never shed; they wait.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tokenfab.engine.lanes import BATCH, INTERACTIVE, SERVICE_CLASSES
+from tokenfab.plan.roofline import StepShape
+from tokenfab.plan.step_table import MeasuredStepCost
+from tokenfab.server.errors import APIError
+
+MIN_ROWS = 32
+REFIT_EVERY = 64
+WINDOW = 1024
+LATENCY_WINDOW = 1000          # requests per class behind the P99 gauges
+MAX_SIMULATED_STEPS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSnapshot:
+    time: float = 0.0
+    interactive_prefill: int = 0       # prompt tokens of interactive sequences not yet computed
+    decodes: int = 0                   # running sequences past their prefill
+    mean_context: float = 0.0
+    batch_chunk: int = 0               # batch prefill tokens a step carries (capped by its share)
+
+    @classmethod
+    def of(cls, scheduler, budget: int) -> "QueueSnapshot":
+        pending, decodes, ctx, batch_left = 0, 0, 0, 0
+        for s in list(scheduler.running) + list(scheduler.waiting):
+            left = s.num_tokens - s.num_computed_tokens
+            if s in scheduler.running and left <= 1:
+                decodes += 1
+                ctx += s.num_computed_tokens
+            elif s.service_class == BATCH:
+                batch_left += left
+            else:
+                pending += left
+        cap = budget if scheduler.batch_prefill_share >= 1 else int(budget * scheduler.batch_prefill_share)
+        return cls(time.monotonic(), pending, decodes, ctx / decodes if decodes else 0.0, min(batch_left, cap))
+
+
+def predict_ttft(cost, snap: QueueSnapshot, prompt_tokens: int, budget: int) -> float:
+    """Seconds until a prompt queued behind `snap.interactive_prefill` tokens gets its first token."""
+    work = snap.interactive_prefill + prompt_tokens
+    room = max(1, budget - snap.decodes - snap.batch_chunk)
+    total, steps = 0.0, 0
+    while work > 0 and steps < MAX_SIMULATED_STEPS:
+        chunk = min(work, room)
+        shape = StepShape()
+        if snap.decodes:
+            shape.add(int(snap.mean_context), 1, snap.decodes)
+        if snap.batch_chunk:
+            shape.add(0, snap.batch_chunk)
+        shape.add(0, chunk)
+        total += cost.step_time(shape)
+        work -= chunk
+        steps += 1
+    if work > 0:                       # a very deep queue: the rest at the last step's rate
+        total += total / steps * math.ceil(work / room)
+    return total
+
+
+def predict_tpot(cost, snap: QueueSnapshot) -> float:
+    """A decode step's time with one more running sequence (the batch chunk included)."""
+    shape = StepShape()
+    shape.add(int(snap.mean_context), 1, snap.decodes + 1)
+    if snap.batch_chunk:
+        shape.add(0, snap.batch_chunk)
+    return cost.step_time(shape)
+
+
+class OnlineStepCost:
+    """The engine's step_observer: collects step rows, refits the step model, snapshots the queue.
+    Runs in the engine thread; `cost` and `snapshot` are replaced whole, so readers never lock."""
+
+    def __init__(self, engine, then=None) -> None:
+        self.engine, self.then = engine, then      # `then`: an observer that was already set (StepLog)
+        self.budget = engine.config.max_num_batched_tokens
+        self.rows: deque[dict] = deque(maxlen=WINDOW)
+        self.since_fit = 0
+        self.cost: MeasuredStepCost | None = None
+        self.snapshot = QueueSnapshot()
+
+    def __call__(self, steps, start: float, end: float, busy: bool) -> None:
+        if self.then is not None:
+            self.then(steps, start, end, busy)
+        s = StepShape()
+        for computed, n in steps:
+            s.add(computed, n)
+        self.rows.append({"num_tokens": s.num_tokens, "num_seqs": s.num_seqs, "attn_pairs": s.attn_pairs,
+                          "kv_tokens": s.kv_tokens, "step_s": max(end - start, 1e-6)})
+        self.since_fit += 1
+        if len(self.rows) >= MIN_ROWS and (self.cost is None or self.since_fit >= REFIT_EVERY):
+            try:
+                self.cost = MeasuredStepCost.fit(list(self.rows))
+            except (ValueError, ArithmeticError):
+                pass
+            self.since_fit = 0
+        self.snapshot = QueueSnapshot.of(self.engine.scheduler, self.budget)
+
+
+class SloAdmission:
+    """Admission by predicted latency, and the per-class SLO metrics (an AsyncEngine listener)."""
+
+    def __init__(self, online: OnlineStepCost, ttft_s: float | None, tpot_s: float | None) -> None:
+        self.online, self.ttft_s, self.tpot_s = online, ttft_s, tpot_s
+        self._admitted: deque[tuple[float, int]] = deque()     # (time, prompt tokens) not yet in a snapshot
+        self._lock = threading.Lock()
+        self.classes: dict[str, str] = {}                       # engine request id -> service class
+        self.predicted = {c: deque(maxlen=LATENCY_WINDOW) for c in SERVICE_CLASSES}
+        self.achieved = {c: deque(maxlen=LATENCY_WINDOW) for c in SERVICE_CLASSES}
+        self.finished = dict.fromkeys(SERVICE_CLASSES, 0)
+        self.good = dict.fromkeys(SERVICE_CLASSES, 0)
+        self.shed = 0
+        self._first: dict[str, float] = {}
+
+    def _snapshot(self) -> QueueSnapshot:
+        snap = self.online.snapshot
+        while self._admitted and self._admitted[0][0] <= snap.time:
+            self._admitted.popleft()
+        extra = sum(n for _, n in self._admitted)
+        return QueueSnapshot(snap.time, snap.interactive_prefill + extra, snap.decodes, snap.mean_context,
+                             snap.batch_chunk)
+
+    def admit(self, prompt_tokens: int, service_class: str) -> None:
+        """Raise a 429 when an interactive request's target cannot be met; record the prediction."""
+        cost = self.online.cost
+        if cost is None:
+            return                                              # not calibrated yet: admit
+        snap = self._snapshot()
+        ttft = predict_ttft(cost, snap, prompt_tokens, self.online.budget)
+        self.predicted[service_class].append(ttft)
+        if service_class == INTERACTIVE:
+            why = None
+            if self.ttft_s is not None and ttft > self.ttft_s:
+                why = (f"predicted time to first token {ttft * 1e3:.0f} ms exceeds the target of "
+                       f"{self.ttft_s * 1e3:.0f} ms", ttft - self.ttft_s)
+            elif self.tpot_s is not None and (tpot := predict_tpot(cost, snap)) > self.tpot_s:
+                why = (f"predicted time per output token {tpot * 1e3:.0f} ms exceeds the target of "
+                       f"{self.tpot_s * 1e3:.0f} ms", tpot * snap.decodes)
+            if why is not None:
+                self.shed += 1
+                retry = max(1, math.ceil(why[1]))
+                raise APIError(429, f"{why[0]} with the current load; retry in {retry} s, or send it with "
+                                    "service_tier \"flex\" to queue it instead", code="slo_unattainable",
+                               headers={"Retry-After": str(retry)})
+        self._admitted.append((time.monotonic(), prompt_tokens))
+
+    def track(self, request_ids: list[str], service_class: str) -> None:
+        for rid in request_ids:
+            self.classes[rid] = service_class
+
+    # -- EngineListener (event loop) ------------------------------------------------------------
+    def on_first_token(self, output) -> None:
+        m, cls = output.metrics, self.classes.get(output.request_id)
+        if cls is None or m is None or m.first_token_time is None:
+            return
+        self._first[output.request_id] = m.first_token_time - m.arrival_time
+        self.achieved[cls].append(m.first_token_time - m.arrival_time)
+
+    def on_itl(self, gap_s: float, count: int) -> None:
+        pass
+
+    def on_finished(self, reason: str, output) -> None:
+        rid = output.request_id if output is not None else None
+        cls = self.classes.pop(rid, None)
+        ttft = self._first.pop(rid, None)
+        if cls is None or reason not in ("stop", "length"):
+            return
+        self.finished[cls] += 1
+        m = output.metrics
+        tokens = max(len(o.token_ids) for o in output.outputs) if output.outputs else 0
+        tpot = ((m.finished_time - m.first_token_time) / (tokens - 1)
+                if m and m.finished_time and m.first_token_time and tokens > 1 else 0.0)
+        if ttft is not None and (self.ttft_s is None or ttft <= self.ttft_s) and \
+                (self.tpot_s is None or tpot <= self.tpot_s):
+            self.good[cls] += 1
+
+    # -- /metrics (a collector on the server's registry) ----------------------------------------
+    def collect(self):
+        p99 = GaugeMetricFamily("tokenfab:slo_ttft_p99_seconds", "P99 time to first token over the last "
+                                f"{LATENCY_WINDOW} requests per class: predicted at admission, and achieved.",
+                                labels=["service_class", "kind"])
+        for cls in SERVICE_CLASSES:
+            for kind, values in (("predicted", self.predicted[cls]), ("achieved", self.achieved[cls])):
+                if values:
+                    p99.add_metric([cls, kind], _p99(values))
+        yield p99
+        fin = CounterMetricFamily("tokenfab:slo_requests_finished", "Finished requests per class.",
+                                  labels=["service_class"])
+        good = CounterMetricFamily("tokenfab:slo_requests_good", "Finished requests within the TTFT and TPOT "
+                                   "targets per class (goodput's numerator).", labels=["service_class"])
+        for cls in SERVICE_CLASSES:
+            fin.add_metric([cls], self.finished[cls])
+            good.add_metric([cls], self.good[cls])
+        yield fin
+        yield good
+        shed = CounterMetricFamily("tokenfab:slo_requests_shed", "Interactive requests refused with 429 "
+                                   "slo_unattainable.", labels=[])
+        shed.add_metric([], self.shed)
+        yield shed
+
+
+class Listeners:
+    """Several AsyncEngine listeners as one."""
+
+    def __init__(self, *listeners) -> None:
+        self.listeners = listeners
+
+    def on_first_token(self, output) -> None:
+        for x in self.listeners:
+            x.on_first_token(output)
+
+    def on_itl(self, gap_s: float, count: int) -> None:
+        for x in self.listeners:
+            x.on_itl(gap_s, count)
+
+    def on_finished(self, reason: str, output) -> None:
+        for x in self.listeners:
+            x.on_finished(reason, output)
+
+
+def _p99(values) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, math.ceil(0.99 * len(v)) - 1)]
