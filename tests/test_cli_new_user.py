@@ -61,7 +61,7 @@ def test_quant_eval_help_is_evals_own(capsys):
 
 
 def test_quantization_help_names_every_accepted_value(capsys):
-    from tokenfab.model.quantize import QUANTIZATIONS
+    from tokenfab.quant.load import QUANTIZATIONS
     text = " ".join(_help(["serve", "--help"], capsys).split())
     start = text.index("--quantization QUANTIZATION, -q QUANTIZATION")
     entry = text[start:text.index("--scheduling-policy", start)]

@@ -38,7 +38,7 @@ class FakeEngine:
     def __init__(self, tokenizer, max_model_len: int = 256, max_running: int = 64):
         self.tokenizer = tokenizer
         self.model_config = SimpleNamespace(vocab_size=len(tokenizer))
-        self.config = SimpleNamespace(scheduling_policy="fcfs")
+        self.config = SimpleNamespace(scheduling_policy="fcfs", max_num_seqs=4)
         self.model_path = None
         self.max_model_len, self.max_running = max_model_len, max_running
         self.token = tokenizer(" a").input_ids[0]
@@ -60,7 +60,7 @@ class FakeEngine:
             return list(self.tokenizer(prompt).input_ids)
         return list(prompt)
 
-    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None):
+    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None, service_class="interactive"):
         ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}")

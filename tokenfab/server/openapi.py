@@ -179,7 +179,9 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
             if method == "head":       # below, from its GET
                 continue
             entry = ROUTES.get((path, method))
-            if entry is None:
+            if entry is None:      # a route FastAPI describes itself (Batch API, /doctor): our errors, not its 422
+                op.setdefault("responses", {}).pop("422", None)
+                _add_errors(op, _OTHER_ERRORS)
                 continue
             req, resp, streamed, errors = entry
             if req is not None:
@@ -193,9 +195,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
                 ok |= _SSE
             op["responses"] = {"200": {"description": "success" + (" (text/event-stream when stream is true)"
                                                                    if streamed else ""), "content": ok}}
-            for status in errors:
-                op["responses"][str(status)] = {"description": _ERROR_TEXT[status], "content": {
-                    "application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}}
+            _add_errors(op, errors)
     # HEAD answers like GET, with the headers only: the GET's statuses, no bodies.
     for ops in spec.get("paths", {}).values():
         if "head" in ops and "get" in ops:
@@ -203,9 +203,17 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     return spec
 
 
+def _add_errors(op: dict[str, Any], statuses: tuple[int, ...]) -> None:
+    for status in statuses:
+        op["responses"][str(status)] = {"description": _ERROR_TEXT[status], "content": {
+            "application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}}
+
+
+# What the routes outside ROUTES may answer besides 200: bad input, no key, unknown id, too large, failed.
+_OTHER_ERRORS = (400, 401, 404, 413, 500, 503)
 _ERROR_TEXT = {400: "invalid request (the error names the field: param, and a machine-readable code)",
                401: "missing or wrong API key (servers started with --api-key)",
-               404: "unknown model", 413: "request body over --max-body-bytes",
+               404: "unknown model, file or batch", 413: "request body or file over its size limit",
                429: "too many requests waiting (Retry-After)", 500: "the request failed inside the engine",
                503: "the engine has stopped or the server is shutting down"}
 
