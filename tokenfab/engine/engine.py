@@ -77,8 +77,9 @@ def memory_breakdown(model: torch.nn.Module, float_copy_bytes: int, kv_bytes: in
         for c in (m.plan.choices if m.plan else []):
             if not c.kernel.float_copy:
                 for t in _tensors(c.state):
-                    if t.data_ptr() not in seen:
-                        seen.add(t.data_ptr())
+                    key = id(t) if t.is_mkldnn else t.data_ptr()    # oneDNN's packed tensors have no data_ptr
+                    if key not in seen:
+                        seen.add(key)
                         weights += t.numel() * t.element_size()
     return {"weights": weights, "float_copies": float_copy_bytes, "kv_pool": kv_bytes,
             "total": weights + float_copy_bytes + kv_bytes}

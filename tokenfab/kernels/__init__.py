@@ -42,6 +42,8 @@ _SIGNATURES = {
     "tf_decode_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F],
     "tf_silu_mul": [_P, _P, _I, _I],
     "tf_qgemm": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
+    "tf_kgemm": [_P, _P, _I, _I, _I, _P, _I],
+    "tf_kdequant": [_P, _P, _I, _I, _I],
     "tf_decode_layers": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _I, _P, _I, _F],
 }
 QGEMM_MAX_ROWS = 16     # rows tf_qgemm takes (8 per pass over W, TF_MAX_ROWS in cpu.c); 2-core VM: beats the
@@ -192,6 +194,27 @@ def qgemm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     _lib.tf_qgemm(y.data_ptr(), x.data_ptr(), M, K, out_features, q.data_ptr(), d.data_ptr(),
                   None if m is None else m.data_ptr(), group_size, bits)
     return y
+
+
+# GGUF K-quant types tf_qgemm reads as stored (its `bits` argument is then ggml's type id): super-blocks
+# of 256 weights, bytes per super-block (cpu.c, tf_kquant_block_bytes).
+KQUANT_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+KQUANT_BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210}
+
+
+def layout_in_features(layout: tuple) -> int:
+    """The input width a tf_qgemm layout (q, d, m, gs, bits) covers."""
+    q, _, _, _, bits = layout
+    if bits in KQUANT_BLOCK_BYTES:
+        return q.shape[1] // KQUANT_BLOCK_BYTES[bits] * 256
+    return q.shape[1] * (2 if bits == 4 else 1)
+
+
+def kdequant(raw: torch.Tensor, type_id: int, out_features: int, in_features: int) -> torch.Tensor:
+    """A K-quant weight (uint8 [out, in / 256 * block bytes]) expanded to float32 [out, in]."""
+    out = torch.empty(out_features, in_features)
+    _lib.tf_kdequant(out.data_ptr(), raw.data_ptr(), out_features, in_features, type_id)
+    return out
 
 
 class QLinear(ctypes.Structure):

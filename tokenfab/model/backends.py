@@ -168,7 +168,7 @@ def _build_stack(model, kv_caches, cap: int) -> tuple | None:
                 lin.plan = default_plan(lin)
             first = lin.plan.choices[0]
             layout = first.state
-            if first.kernel.name != "qgemm" or layout[0].shape[1] * (2 if layout[4] == 4 else 1) != lin.in_features:
+            if first.kernel.name != "qgemm" or kernels.layout_in_features(layout) != lin.in_features:
                 return None
             if first.max_rows is not None:
                 rows = min(rows, first.max_rows)

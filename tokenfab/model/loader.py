@@ -69,7 +69,8 @@ def open_gguf(path: str):
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # gguf raises ValueError/IndexError/struct errors on damaged files
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise ModelLoadError(f"{path}: not a readable GGUF file, truncated or corrupt "
+                             f"({type(e).__name__}: {e})") from None
 
 
 def gguf_config(reader, path: str) -> ModelConfig:
@@ -113,7 +114,10 @@ def gguf_config(reader, path: str) -> ModelConfig:
         raise ModelLoadError(f"{path}: GGUF metadata is missing a required field ({e})") from None
 
 
-_NATIVE_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+# Run as shipped with quantization="gguf" (tokenfab/quant: Q5_0 widened into Q8_0's form, K-quants as stored).
+_NATIVE_GGUF_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Read (dequantized with the gguf package) for quantization="none"; anything else is refused by name.
+READABLE_GGUF_TYPES = ("F32", "F16", "BF16", "Q5_1") + _NATIVE_GGUF_TYPES
 
 
 def load_gguf_weights(reader, cfg: ModelConfig, path: str):
@@ -129,11 +133,15 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
         except KeyError:
             continue  # e.g. rope_freqs: derived from the config instead
         qtype = t.tensor_type
+        if qtype.name not in READABLE_GGUF_TYPES:
+            raise ModelLoadError(f"{path}: tensor {t.name} has quantization type {qtype.name}, which tokenfab "
+                                 f"does not read; supported: {', '.join(READABLE_GGUF_TYPES)}")
         types[qtype.name] = types.get(qtype.name, 0) + 1
         try:
             arr = gguf.quants.dequantize(t.data, qtype)
         except Exception as e:
-            raise ModelLoadError(f"{path}: tensor {t.name} of type {qtype.name} cannot be read ({e})") from None
+            raise ModelLoadError(f"{path}: tensor {t.name} of type {qtype.name} cannot be read, the file is "
+                                 f"truncated or corrupt ({type(e).__name__}: {e})") from None
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
         blocks = t.data if qtype.name in _NATIVE_GGUF_TYPES else None
