@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenfab.model.layers import RotaryEmbedding
 from tokenfab.model.llama import LlamaModel
 
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "w8a8", "int4", "int4-g32", "int4-g64", "int4-g128")
@@ -120,7 +119,7 @@ def build_model(loaded, dtype: torch.dtype, device: str, block_size: int, max_po
     cfg = loaded.config
     with torch.device("meta"):
         model = LlamaModel(cfg, block_size, max_positions=1)
-    model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
+    model.make_ropes(max_positions)
     if is_quantized_checkpoint(loaded.path):     # written by `tokenfab quant`: our own layer names
         if quantization not in ("auto", "none"):
             raise ValueError(f"{loaded.path} is already quantized; leave quantization unset")
