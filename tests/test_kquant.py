@@ -200,3 +200,23 @@ def test_uniform_kquant_layers_take_the_one_call_decode_stack(kquant_files):
               attention_backend="cpu")
     assert _greedy(llm, PROMPTS) == ref
     assert llm.engine.model.attention_backend.stack_rows > 0
+
+
+# ------------------------------------------------------------------------------------ quant schemes
+def test_q4_k_and_q6_k_candidates_quantize_every_256_wide_linear_with_their_kl(kquant_files):
+    """`tokenfab quant eval --candidate q4_k|q6_k`: K-quant layers for every decoder linear (all 256 or
+    512 wide here), KL against the float model measured: Q6_K's below Q4_K's, and Q4_K's (4.5 bits, 6-bit
+    sub-scales) near plain int4-g32's (fp32 scale and zero per 32: 6 bits per weight). This random
+    model's logits are very peaked, so KL grows less than the squared weight error."""
+    from tokenfab.quant.compare import evaluate
+    kl = {s: evaluate(None, s, ctx=64, max_windows=2, base_files=kquant_files).report.kl_mean
+          for s in ("q4_k", "q6_k", "int4-g32")}
+    assert 0 < kl["q6_k"] < 0.75 * kl["q4_k"]
+    assert kl["q4_k"] < 2 * kl["int4-g32"], kl
+
+
+def test_q4_k_falls_back_to_int4_where_the_width_is_not_a_multiple_of_256():
+    from tokenfab.quant.apply import quantize_linear
+    assert type(quantize_linear(torch.nn.Linear(512, 64), "q4_k")).__name__ == "Q4_KLinear"
+    assert type(quantize_linear(torch.nn.Linear(576, 64), "q4_k")).__name__ == "Int4Linear"
+    assert type(quantize_linear(torch.nn.Linear(576, 64), "q6_k")).__name__ == "Int8Linear"

@@ -7,6 +7,8 @@
   CPU kernels take bfloat16 activations, so logits differ from "none" at bf16 precision (see docs/quant.md);
 - "int8", "int4" (= int4-g32), "int4-g32", "int4-g64", "int4-g128": round-to-nearest weight-only
   quantization of every decoder linear (embeddings and LM head stay float);
+- "q4_k", "q6_k": GGUF K-quant blocks written from the float weights (tokenfab/quant/kquants.py), run as
+  stored; layers whose input width is not a multiple of 256 take int4-g32 / int8 instead;
 - "w8a8": int8 weights per channel and int8 activations per token, an integer GEMM on CPU (fastest at
   large batches, at a measured quality cost: docs/quant.md);
 - a folder written by `tokenfab quant` carries its own quantized layers and is applied automatically.
@@ -19,7 +21,7 @@ from torch import nn
 
 from tokenfab.model.llama import LlamaModel
 
-QUANTIZATIONS = ("auto", "none", "gguf", "int8", "w8a8", "int4", "int4-g32", "int4-g64", "int4-g128")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "w8a8", "int4", "int4-g32", "int4-g64", "int4-g128", "q4_k", "q6_k")
 
 
 def apply_quantization(model, loaded, quantization: str | None) -> None:
