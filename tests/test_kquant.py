@@ -220,3 +220,13 @@ def test_q4_k_falls_back_to_int4_where_the_width_is_not_a_multiple_of_256():
     assert type(quantize_linear(torch.nn.Linear(512, 64), "q4_k")).__name__ == "Q4_KLinear"
     assert type(quantize_linear(torch.nn.Linear(576, 64), "q4_k")).__name__ == "Int4Linear"
     assert type(quantize_linear(torch.nn.Linear(576, 64), "q6_k")).__name__ == "Int8Linear"
+
+
+@pytest.mark.parametrize("kind,bpw", [("Q4_K", "4.500"), ("Q6_K", "6.562")])
+def test_plan_reads_kquant_files_with_their_true_bits_per_weight(tmp_path, kind, bpw):
+    import gguf
+
+    from tokenfab.plan.models import from_gguf
+    path = tmp_path / f"{kind}.gguf"
+    _write_gguf(path, [("blk.0.ffn_down.weight", random_blocks(kind, 256, 512), gguf.GGMLQuantizationType[kind])])
+    assert from_gguf(str(path)).default_dtype == f"bpw:{bpw}"

@@ -74,6 +74,14 @@ class ModelConfig:
         self.sliding_layers = [t == "sliding_attention" for t in layer_types]
         self.rope_local_theta = float(local_theta)
 
+    def kv_bytes_for_context(self, context: int, bytes_per_element: float, windowed: bool) -> int:
+        """K and V of one sequence of `context` tokens; `windowed`: sliding layers holding only their
+        window (what freeing out-of-window blocks would give; the paged cache keeps every position today)."""
+        per_layer_token = 2 * self.num_kv_heads * self.head_dim * bytes_per_element
+        tokens = sum(min(context, self.sliding_window) if windowed and self.is_sliding(i) else context
+                     for i in range(self.num_layers))
+        return int(tokens * per_layer_token)
+
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         if cfg.get("model_type") == "gemma3" and "text_config" in cfg:     # the multimodal wrapper
