@@ -230,3 +230,19 @@ def test_plan_reads_kquant_files_with_their_true_bits_per_weight(tmp_path, kind,
     path = tmp_path / f"{kind}.gguf"
     _write_gguf(path, [("blk.0.ffn_down.weight", random_blocks(kind, 256, 512), gguf.GGMLQuantizationType[kind])])
     assert from_gguf(str(path)).default_dtype == f"bpw:{bpw}"
+
+
+@needs_c
+def test_q4_k_checkpoint_folder_loads_back_and_generates_as_quantizing_at_load(kquant_files, tmp_path):
+    """`tokenfab quant --scheme q4_k --out DIR` then LLM(model=DIR): the same greedy tokens as
+    quantization="q4_k" applied at load to the same float weights."""
+    from tokenfab import LLM
+    from tokenfab.quant.export import quantize_to_folder
+    from tokenfab.model.loader import load_model_files
+    out = str(tmp_path / "q4k")
+    quantize_to_folder(kquant_files.path, "q4_k", out)
+    saved = LLM(model=out, max_model_len=256, num_kv_blocks=64, kernel_autotune=False)
+    assert sum(type(m).__name__ == "Q4_KLinear" for m in saved.engine.model.modules()) == 2 * 4
+    at_load = LLM(loaded=load_model_files(kquant_files.path), quantization="q4_k", max_model_len=256,
+                  num_kv_blocks=64, kernel_autotune=False)
+    assert _greedy(saved, PROMPTS) == _greedy(at_load, PROMPTS)
