@@ -96,8 +96,8 @@ void tf_rope_write_kv(float *qkv, int64_t T, int64_t row_stride, int64_t H, int6
  * qg: the G heads' queries, D apart; o: their outputs, D apart; p: scratch of G * L floats. */
 static void tf_attend_group64(float *o, const float *qg, int64_t G, const float *k_cache, const float *v_cache,
                               const int64_t *bt, int64_t L, int64_t bs, int64_t KVH, int64_t kh, int64_t D,
-                              float scale, float *p) {
-#define TF_ROW(cache, j) ((cache) + ((bt[(j) / bs] * bs + (j) % bs) * KVH + kh) * D)
+                              float scale, float *p, int64_t j0) {
+#define TF_ROW(cache, j) ((cache) + ((bt[((j) + j0) / bs] * bs + ((j) + j0) % bs) * KVH + kh) * D)
     int64_t j = 0;
     for (; j + 4 <= L; j += 4) {
         const float *k0 = TF_ROW(k_cache, j), *k1 = TF_ROW(k_cache, j + 1);
@@ -174,10 +174,10 @@ static void tf_attend_group64(float *o, const float *qg, int64_t G, const float 
 /* Any head_dim: the plain loops. */
 static void tf_attend_head(float *o, const float *qh, const float *k_cache, const float *v_cache,
                            const int64_t *bt, int64_t L, int64_t bs, int64_t KVH, int64_t kh, int64_t D,
-                           float scale, float *p) {
+                           float scale, float *p, int64_t j0) {
     float m = -INFINITY, sum = 0.f;
     for (int64_t j = 0; j < L; j++) {
-        const float *kr = k_cache + ((bt[j / bs] * bs + j % bs) * KVH + kh) * D;
+        const float *kr = k_cache + ((bt[(j + j0) / bs] * bs + (j + j0) % bs) * KVH + kh) * D;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; d++) dot += qh[d] * kr[d];
@@ -190,7 +190,7 @@ static void tf_attend_head(float *o, const float *qh, const float *k_cache, cons
     }
     memset(o, 0, sizeof(float) * D);
     for (int64_t j = 0; j < L; j++) {
-        const float *vr = v_cache + ((bt[j / bs] * bs + j % bs) * KVH + kh) * D;
+        const float *vr = v_cache + ((bt[(j + j0) / bs] * bs + (j + j0) % bs) * KVH + kh) * D;
         const float pj = p[j] / sum;
 #pragma omp simd
         for (int64_t d = 0; d < D; d++) o[d] += pj * vr[d];
@@ -201,14 +201,18 @@ static void tf_attend_head(float *o, const float *qh, const float *k_cache, cons
  * out[b, h] = softmax(scale * q[b, h] . K[b]) V[b] over the sequence's first ctx_lens[b] tokens,
  * where token j of sequence b sits in block block_tables[b, j / bs] at offset j % bs.
  * q rows are q_stride floats apart (the fused qkv rows); out is [B, H, D]; query head h reads kv
- * head h / (H / KVH), as repeat_kv does. One (sequence, kv head) pair per task. */
-void tf_decode_attention(float *out, const float *q, int64_t q_stride, const float *k_cache,
-                         const float *v_cache, const int64_t *block_tables, int64_t bt_stride,
-                         const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                         int64_t bs, float scale) {
+ * head h / (H / KVH), as repeat_kv does. One (sequence, kv head) pair per task.
+ * window > 0 (a sliding-window layer): only the last `window` tokens of each sequence are attended. */
+void tf_decode_attention_window(float *out, const float *q, int64_t q_stride, const float *k_cache,
+                                const float *v_cache, const int64_t *block_tables, int64_t bt_stride,
+                                const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                                int64_t bs, float scale, int64_t window) {
     const int64_t G = H / KVH;
     int64_t max_len = 1;
-    for (int64_t b = 0; b < B; b++) max_len = ctx_lens[b] > max_len ? ctx_lens[b] : max_len;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = window > 0 && ctx_lens[b] > window ? window : ctx_lens[b];
+        max_len = n > max_len ? n : max_len;
+    }
 #pragma omp parallel if (B * KVH >= 2)
     {
         float *p = (float *)malloc(sizeof(float) * (size_t)(G * max_len));
@@ -218,17 +222,27 @@ void tf_decode_attention(float *out, const float *q, int64_t q_stride, const flo
             const int64_t *bt = block_tables + b * bt_stride;
             float *o = out + (b * H + kh * G) * D;
             const float *qg = q + b * q_stride + kh * G * D;
+            const int64_t j0 = window > 0 && ctx_lens[b] > window ? ctx_lens[b] - window : 0;
+            const int64_t L = ctx_lens[b] - j0;
 #if defined(__AVX2__) && defined(__FMA__)
             if (D % 64 == 0) {
-                tf_attend_group64(o, qg, G, k_cache, v_cache, bt, ctx_lens[b], bs, KVH, kh, D, scale, p);
+                tf_attend_group64(o, qg, G, k_cache, v_cache, bt, L, bs, KVH, kh, D, scale, p, j0);
                 continue;
             }
 #endif
             for (int64_t g = 0; g < G; g++)
-                tf_attend_head(o + g * D, qg + g * D, k_cache, v_cache, bt, ctx_lens[b], bs, KVH, kh, D, scale, p);
+                tf_attend_head(o + g * D, qg + g * D, k_cache, v_cache, bt, L, bs, KVH, kh, D, scale, p, j0);
         }
         free(p);
     }
+}
+
+void tf_decode_attention(float *out, const float *q, int64_t q_stride, const float *k_cache,
+                         const float *v_cache, const int64_t *block_tables, int64_t bt_stride,
+                         const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                         int64_t bs, float scale) {
+    tf_decode_attention_window(out, q, q_stride, k_cache, v_cache, block_tables, bt_stride, ctx_lens, B, H, KVH, D,
+                               bs, scale, 0);
 }
 
 /* out[t] = silu(gate_up[t, :I]) * gate_up[t, I:], the SwiGLU activation of a fused gate/up row. */

@@ -130,6 +130,10 @@ class TorchPagedAttention:
     def _decode_any(self, q, k_cache, v_cache, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
         if window is None or meta.decode_max_context <= window:      # the window covers every context
             return self._decode(q, k_cache, v_cache, meta)
+        if not isinstance(k_cache, Int8KVCache) and kernels.usable(q, k_cache):   # the C kernel's start offset
+            return kernels.decode_attention(q.reshape(q.shape[0], -1), k_cache, v_cache, meta.decode_block_tables,
+                                            meta.decode_context_lens, self.num_heads, self.num_kv_heads, self.scale,
+                                            window)
         return self._decode_window(q, k_cache, v_cache, meta, window)
 
     def _decode_window(self, q, k_cache, v_cache, meta: AttentionMetadata, window: int) -> torch.Tensor:
