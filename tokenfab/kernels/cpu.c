@@ -453,11 +453,21 @@ static void tf_kdecode(const uint8_t *b, int64_t type, float *w) {
             const uint8_t *ql = b, *qh = b + 128;
             const int8_t *sc = (const int8_t *)(b + 192);
             const float d = tf_f16(b + 208);
-            for (int i = 0; i < 256; i++) {
-                const int h = i >> 7, j = i & 127;
-                const int lo = (ql[h * 64 + (j & 63)] >> (4 * (j >> 6))) & 0x0F;
-                const int hi = (qh[h * 32 + (j & 31)] >> (2 * (j >> 5))) & 3;
-                w[i] = d * (float)sc[i >> 4] * (float)((lo | (hi << 4)) - 32);
+            float dl[16];
+            for (int j = 0; j < 16; j++) dl[j] = d * (float)sc[j];
+            /* ggml's order: per half of 128, weight s * 32 + l takes ql[l + 32 * (s & 1)]'s low (s < 2) or
+             * high nibble and bits 2s..2s+1 of qh[l]; loops without div/mod so they vectorize */
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *qlh = ql + h * 64, *qhh = qh + h * 32;
+                float *wh = w + h * 128;
+                const float *dh = dl + h * 8;
+                for (int l = 0; l < 32; l++) {
+                    const int a = qlh[l], c = qlh[l + 32], e = qhh[l], g = l >> 4;
+                    wh[l] = dh[g] * (float)(((a & 15) | ((e & 3) << 4)) - 32);
+                    wh[l + 32] = dh[2 + g] * (float)(((c & 15) | (((e >> 2) & 3) << 4)) - 32);
+                    wh[l + 64] = dh[4 + g] * (float)(((a >> 4) | (((e >> 4) & 3) << 4)) - 32);
+                    wh[l + 96] = dh[6 + g] * (float)(((c >> 4) | (((e >> 6) & 3) << 4)) - 32);
+                }
             }
             break;
         }
