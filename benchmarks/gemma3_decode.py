@@ -14,26 +14,36 @@ import argparse
 import time
 
 
-def decode_tok_s(llm, tokens: int, repeats: int) -> float:
+def decode_tok_s(llm, tokens: int, repeats: int) -> tuple[float, float, float]:
+    """(decode tok/s, seconds for prefill + 1 token, seconds for prefill + 1 + `tokens`), each time the
+    best of `repeats` after a warm-up call."""
     from tokenfab import SamplingParams
     prompt = "The history of the printing press begins"
-    best = float("inf")
-    for _ in range(repeats):
-        first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        t0 = time.perf_counter()
-        llm.generate([prompt], first)
-        t1 = time.perf_counter()
-        llm.generate([prompt], SamplingParams(max_tokens=tokens + 1, temperature=0, ignore_eos=True))
-        t2 = time.perf_counter()
-        best = min(best, (t2 - t1) - (t1 - t0))          # the decode steps alone
-    return tokens / best
+
+    def best(n: int) -> float:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = llm.generate([prompt], params)[0]
+            times.append(time.perf_counter() - t0)
+            assert len(out.outputs[0].token_ids) == n
+        return min(times)
+
+    best(2)                                               # warm-up
+    first, total = best(1), best(tokens + 1)
+    return tokens / (total - first), first, total
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch / OpenMP threads (0: the engine's default)")
     args = ap.parse_args()
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
 
     from tokenfab import LLM
     from tokenfab.model.loader import load_model_files
@@ -41,10 +51,11 @@ def main() -> None:
     cfg = files.config
     rates = {}
     for q in ("gguf", "none"):
-        llm = LLM(loaded=files, quantization=q, max_model_len=1024, num_kv_blocks=128, enable_prefix_caching=False)
-        rates[q] = decode_tok_s(llm, args.tokens, args.repeats)
-        print(f"quantization={q}: {rates[q]:.1f} decode tok/s (single stream, {args.tokens} tokens, best of "
-              f"{args.repeats})", flush=True)
+        llm = LLM(loaded=files, quantization=q, max_model_len=1024, num_kv_blocks=128, enable_prefix_caching=False,
+                  **({"adaptive_threads": False} if args.threads else {}))
+        rates[q], first, total = decode_tok_s(llm, args.tokens, args.repeats)
+        print(f"quantization={q}: {rates[q]:.1f} decode tok/s (single stream; prefill + 1 token {first:.3f} s, "
+              f"+ {args.tokens} more {total:.3f} s; best of {args.repeats})", flush=True)
         del llm
     print(f"gguf / none: {rates['gguf'] / rates['none']:.2f}x")
     full, windowed = cfg.kv_bytes_for_context(8192, 4, False), cfg.kv_bytes_for_context(8192, 4, True)
