@@ -172,6 +172,14 @@ def cmd_info(args) -> int:
         # what a --kv-cache-memory of 1 GiB holds (the engine sizes its block pool the same way)
         "kv_tokens_per_gib": {d: (1 << 30) // b for d, b in kv_bytes.items()},
     }
+    if cfg.sliding_window:      # Gemma 3: what the window would save if its blocks were freed (they aren't yet)
+        ctx = 8192
+        full, windowed = cfg.kv_bytes_for_context(ctx, 4, False), cfg.kv_bytes_for_context(ctx, 4, True)
+        info["sliding_window"] = {
+            "window": cfg.sliding_window, "sliding_layers": sum(map(cfg.is_sliding, range(cfg.num_layers))),
+            "layers": cfg.num_layers, "local_rope_theta": cfg.rope_local_theta,
+            "kv_bytes_8k_float32": full, "kv_bytes_8k_float32_window_only": windowed,
+            "out_of_window_blocks_freed": False}
     if args.engine:
         info.update(_engine_info(files, args))
     if args.json:

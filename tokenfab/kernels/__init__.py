@@ -40,8 +40,11 @@ _SIGNATURES = {
     "tf_rms_norm": [_P, _P, _P, _I, _I, _F],
     "tf_rope_write_kv": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
     "tf_decode_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F],
+    "tf_decode_attention_window": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
     "tf_silu_mul": [_P, _P, _I, _I],
     "tf_qgemm": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
+    "tf_kgemm": [_P, _P, _I, _I, _I, _P, _I],
+    "tf_kdequant": [_P, _P, _I, _I, _I],
     "tf_decode_layers": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _I, _P, _I, _F],
 }
 QGEMM_MAX_ROWS = 16     # rows tf_qgemm takes (8 per pass over W, TF_MAX_ROWS in cpu.c); 2-core VM: beats the
@@ -162,13 +165,15 @@ def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, num_heads: int, num_kv_heads: int, scale: float) -> torch.Tensor:
-    """q: [B, H * D] rows (any row stride, unit inner stride); pools [blocks, bs, KVH, D]. Returns [B, H, D]."""
+                     context_lens: torch.Tensor, num_heads: int, num_kv_heads: int, scale: float,
+                     window: int | None = None) -> torch.Tensor:
+    """q: [B, H * D] rows (any row stride, unit inner stride); pools [blocks, bs, KVH, D]. Returns [B, H, D].
+    `window`: attend only to each sequence's last `window` tokens (a sliding-window layer)."""
     B, D, bs = q.shape[0], k_cache.shape[-1], k_cache.shape[1]
     out = torch.empty(B, num_heads, D)
-    _lib.tf_decode_attention(out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                             block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
-                             B, num_heads, num_kv_heads, D, bs, scale)
+    _lib.tf_decode_attention_window(out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+                                    v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                                    context_lens.data_ptr(), B, num_heads, num_kv_heads, D, bs, scale, window or 0)
     return out
 
 
@@ -192,6 +197,27 @@ def qgemm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     _lib.tf_qgemm(y.data_ptr(), x.data_ptr(), M, K, out_features, q.data_ptr(), d.data_ptr(),
                   None if m is None else m.data_ptr(), group_size, bits)
     return y
+
+
+# GGUF K-quant types tf_qgemm reads as stored (its `bits` argument is then ggml's type id): super-blocks
+# of 256 weights, bytes per super-block (cpu.c, tf_kquant_block_bytes).
+KQUANT_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+KQUANT_BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210}
+
+
+def layout_in_features(layout: tuple) -> int:
+    """The input width a tf_qgemm layout (q, d, m, gs, bits) covers."""
+    q, _, _, _, bits = layout
+    if bits in KQUANT_BLOCK_BYTES:
+        return q.shape[1] // KQUANT_BLOCK_BYTES[bits] * 256
+    return q.shape[1] * (2 if bits == 4 else 1)
+
+
+def kdequant(raw: torch.Tensor, type_id: int, out_features: int, in_features: int) -> torch.Tensor:
+    """A K-quant weight (uint8 [out, in / 256 * block bytes]) expanded to float32 [out, in]."""
+    out = torch.empty(out_features, in_features)
+    _lib.tf_kdequant(out.data_ptr(), raw.data_ptr(), out_features, in_features, type_id)
+    return out
 
 
 class QLinear(ctypes.Structure):

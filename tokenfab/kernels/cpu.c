@@ -96,8 +96,8 @@ void tf_rope_write_kv(float *qkv, int64_t T, int64_t row_stride, int64_t H, int6
  * qg: the G heads' queries, D apart; o: their outputs, D apart; p: scratch of G * L floats. */
 static void tf_attend_group64(float *o, const float *qg, int64_t G, const float *k_cache, const float *v_cache,
                               const int64_t *bt, int64_t L, int64_t bs, int64_t KVH, int64_t kh, int64_t D,
-                              float scale, float *p) {
-#define TF_ROW(cache, j) ((cache) + ((bt[(j) / bs] * bs + (j) % bs) * KVH + kh) * D)
+                              float scale, float *p, int64_t j0) {
+#define TF_ROW(cache, j) ((cache) + ((bt[((j) + j0) / bs] * bs + ((j) + j0) % bs) * KVH + kh) * D)
     int64_t j = 0;
     for (; j + 4 <= L; j += 4) {
         const float *k0 = TF_ROW(k_cache, j), *k1 = TF_ROW(k_cache, j + 1);
@@ -174,10 +174,10 @@ static void tf_attend_group64(float *o, const float *qg, int64_t G, const float 
 /* Any head_dim: the plain loops. */
 static void tf_attend_head(float *o, const float *qh, const float *k_cache, const float *v_cache,
                            const int64_t *bt, int64_t L, int64_t bs, int64_t KVH, int64_t kh, int64_t D,
-                           float scale, float *p) {
+                           float scale, float *p, int64_t j0) {
     float m = -INFINITY, sum = 0.f;
     for (int64_t j = 0; j < L; j++) {
-        const float *kr = k_cache + ((bt[j / bs] * bs + j % bs) * KVH + kh) * D;
+        const float *kr = k_cache + ((bt[(j + j0) / bs] * bs + (j + j0) % bs) * KVH + kh) * D;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; d++) dot += qh[d] * kr[d];
@@ -190,7 +190,7 @@ static void tf_attend_head(float *o, const float *qh, const float *k_cache, cons
     }
     memset(o, 0, sizeof(float) * D);
     for (int64_t j = 0; j < L; j++) {
-        const float *vr = v_cache + ((bt[j / bs] * bs + j % bs) * KVH + kh) * D;
+        const float *vr = v_cache + ((bt[(j + j0) / bs] * bs + (j + j0) % bs) * KVH + kh) * D;
         const float pj = p[j] / sum;
 #pragma omp simd
         for (int64_t d = 0; d < D; d++) o[d] += pj * vr[d];
@@ -201,14 +201,18 @@ static void tf_attend_head(float *o, const float *qh, const float *k_cache, cons
  * out[b, h] = softmax(scale * q[b, h] . K[b]) V[b] over the sequence's first ctx_lens[b] tokens,
  * where token j of sequence b sits in block block_tables[b, j / bs] at offset j % bs.
  * q rows are q_stride floats apart (the fused qkv rows); out is [B, H, D]; query head h reads kv
- * head h / (H / KVH), as repeat_kv does. One (sequence, kv head) pair per task. */
-void tf_decode_attention(float *out, const float *q, int64_t q_stride, const float *k_cache,
-                         const float *v_cache, const int64_t *block_tables, int64_t bt_stride,
-                         const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                         int64_t bs, float scale) {
+ * head h / (H / KVH), as repeat_kv does. One (sequence, kv head) pair per task.
+ * window > 0 (a sliding-window layer): only the last `window` tokens of each sequence are attended. */
+void tf_decode_attention_window(float *out, const float *q, int64_t q_stride, const float *k_cache,
+                                const float *v_cache, const int64_t *block_tables, int64_t bt_stride,
+                                const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                                int64_t bs, float scale, int64_t window) {
     const int64_t G = H / KVH;
     int64_t max_len = 1;
-    for (int64_t b = 0; b < B; b++) max_len = ctx_lens[b] > max_len ? ctx_lens[b] : max_len;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = window > 0 && ctx_lens[b] > window ? window : ctx_lens[b];
+        max_len = n > max_len ? n : max_len;
+    }
 #pragma omp parallel if (B * KVH >= 2)
     {
         float *p = (float *)malloc(sizeof(float) * (size_t)(G * max_len));
@@ -218,17 +222,27 @@ void tf_decode_attention(float *out, const float *q, int64_t q_stride, const flo
             const int64_t *bt = block_tables + b * bt_stride;
             float *o = out + (b * H + kh * G) * D;
             const float *qg = q + b * q_stride + kh * G * D;
+            const int64_t j0 = window > 0 && ctx_lens[b] > window ? ctx_lens[b] - window : 0;
+            const int64_t L = ctx_lens[b] - j0;
 #if defined(__AVX2__) && defined(__FMA__)
             if (D % 64 == 0) {
-                tf_attend_group64(o, qg, G, k_cache, v_cache, bt, ctx_lens[b], bs, KVH, kh, D, scale, p);
+                tf_attend_group64(o, qg, G, k_cache, v_cache, bt, L, bs, KVH, kh, D, scale, p, j0);
                 continue;
             }
 #endif
             for (int64_t g = 0; g < G; g++)
-                tf_attend_head(o + g * D, qg + g * D, k_cache, v_cache, bt, ctx_lens[b], bs, KVH, kh, D, scale, p);
+                tf_attend_head(o + g * D, qg + g * D, k_cache, v_cache, bt, L, bs, KVH, kh, D, scale, p, j0);
         }
         free(p);
     }
+}
+
+void tf_decode_attention(float *out, const float *q, int64_t q_stride, const float *k_cache,
+                         const float *v_cache, const int64_t *block_tables, int64_t bt_stride,
+                         const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                         int64_t bs, float scale) {
+    tf_decode_attention_window(out, q, q_stride, k_cache, v_cache, block_tables, bt_stride, ctx_lens, B, H, KVH, D,
+                               bs, scale, 0);
 }
 
 /* out[t] = silu(gate_up[t, :I]) * gate_up[t, I:], the SwiGLU activation of a fused gate/up row. */
@@ -342,8 +356,167 @@ static inline float tf_dot_f32(const float *a, const float *b, int64_t n) {
     return tail;
 }
 
+/* GGUF's K-quant blocks, read as stored: super-blocks of 256 weights along a row (layouts as in ggml
+ * and the gguf package's numpy dequantizers, which the tests check every type against). `type` is
+ * ggml's type id; tf_qgemm hands these to tf_kgemm when its `bits` argument is one of them, so the
+ * same layer table (tf_qlin) and the one-call decode stack take K-quant layers unchanged.
+ *   Q2_K (10), 84 bytes:  scales[16] (low nibble scale, high nibble min), qs[64] 2-bit, d, dmin (fp16)
+ *   Q3_K (11), 110 bytes: hmask[32], qs[64] 2-bit low bits, scales[12] (16 x 6-bit signed), d
+ *   Q4_K (12), 144 bytes: d, dmin, scales[12] (8 x 6-bit scale + 8 x 6-bit min), qs[128] nibbles
+ *   Q5_K (13), 176 bytes: d, dmin, scales[12], qh[32] (fifth bits), qs[128]
+ *   Q6_K (14), 210 bytes: ql[128] nibbles, qh[64] 2-bit highs, scales[16] int8, d
+ * Activations stay float32: a super-block is expanded into 256 floats on the stack once per weight row
+ * and dotted with up to 8 activation rows while it is in L1. */
+enum { TF_Q2_K = 10, TF_Q3_K = 11, TF_Q4_K = 12, TF_Q5_K = 13, TF_Q6_K = 14 };
+
+int64_t tf_kquant_block_bytes(int64_t type) {
+    switch (type) {
+        case TF_Q2_K: return 84;
+        case TF_Q3_K: return 110;
+        case TF_Q4_K: return 144;
+        case TF_Q5_K: return 176;
+        case TF_Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+static inline float tf_f16(const uint8_t *p) {
+    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    const uint32_t e = (h >> 10) & 0x1F, man = h & 0x3FF;
+    float f;
+    if (e == 0) f = ldexpf((float)man, -24);                        /* zero, subnormal */
+    else if (e == 31) f = man ? NAN : INFINITY;
+    else f = ldexpf((float)(man | 0x400), (int)e - 25);
+    return (h & 0x8000) ? -f : f;
+}
+
+/* Q4_K / Q5_K's 8 six-bit scales and mins, packed in 12 bytes. */
+static inline void tf_scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+    }
+}
+
+/* One super-block -> 256 floats. */
+static void tf_kdecode(const uint8_t *b, int64_t type, float *w) {
+    switch (type) {
+        case TF_Q2_K: {
+            const uint8_t *sc = b, *qs = b + 16;
+            const float d = tf_f16(b + 80), dmin = tf_f16(b + 82);
+            for (int i = 0; i < 256; i++) {
+                const int h = i >> 7, s = (i >> 5) & 3, l = i & 31, sub = i >> 4;
+                const int q = (qs[h * 32 + l] >> (2 * s)) & 3;
+                w[i] = d * (float)(sc[sub] & 0x0F) * (float)q - dmin * (float)(sc[sub] >> 4);
+            }
+            break;
+        }
+        case TF_Q3_K: {
+            const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
+            const float d = tf_f16(b + 108);
+            float dl[16];
+            for (int j = 0; j < 16; j++) {
+                const int lo = (j < 8 ? s[j] : s[j - 8] >> 4) & 0x0F;
+                const int hi = (s[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
+                dl[j] = d * (float)((lo | (hi << 4)) - 32);
+            }
+            for (int i = 0; i < 256; i++) {
+                const int h = i >> 7, sh = (i >> 5) & 3, l = i & 31;
+                const int q = ((qs[h * 32 + l] >> (2 * sh)) & 3) - (((hm[l] >> (i >> 5)) & 1) ? 0 : 4);
+                w[i] = dl[i >> 4] * (float)q;
+            }
+            break;
+        }
+        case TF_Q4_K:
+        case TF_Q5_K: {
+            const float d = tf_f16(b), dmin = tf_f16(b + 2);
+            uint8_t sc[8], mn[8];
+            tf_scale_min_k4(b + 4, sc, mn);
+            const uint8_t *qh = b + 16, *qs = type == TF_Q4_K ? b + 16 : b + 48;
+            for (int sub = 0; sub < 8; sub++) {
+                const float a = d * (float)sc[sub], m = dmin * (float)mn[sub];
+                const uint8_t *qc = qs + (sub >> 1) * 32;
+                const int shift = 4 * (sub & 1);
+                float *ws = w + sub * 32;
+                if (type == TF_Q4_K) {
+                    for (int l = 0; l < 32; l++) ws[l] = a * (float)((qc[l] >> shift) & 0x0F) - m;
+                } else {
+                    for (int l = 0; l < 32; l++)
+                        ws[l] = a * (float)(((qc[l] >> shift) & 0x0F) | (((qh[l] >> sub) & 1) << 4)) - m;
+                }
+            }
+            break;
+        }
+        case TF_Q6_K: {
+            const uint8_t *ql = b, *qh = b + 128;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = tf_f16(b + 208);
+            float dl[16];
+            for (int j = 0; j < 16; j++) dl[j] = d * (float)sc[j];
+            /* ggml's order: per half of 128, weight s * 32 + l takes ql[l + 32 * (s & 1)]'s low (s < 2) or
+             * high nibble and bits 2s..2s+1 of qh[l]; loops without div/mod so they vectorize */
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *qlh = ql + h * 64, *qhh = qh + h * 32;
+                float *wh = w + h * 128;
+                const float *dh = dl + h * 8;
+                for (int l = 0; l < 32; l++) {
+                    const int a = qlh[l], c = qlh[l + 32], e = qhh[l], g = l >> 4;
+                    wh[l] = dh[g] * (float)(((a & 15) | ((e & 3) << 4)) - 32);
+                    wh[l + 32] = dh[2 + g] * (float)(((c & 15) | (((e >> 2) & 3) << 4)) - 32);
+                    wh[l + 64] = dh[4 + g] * (float)(((a >> 4) | (((e >> 4) & 3) << 4)) - 32);
+                    wh[l + 96] = dh[6 + g] * (float)(((c >> 4) | (((e >> 6) & 3) << 4)) - 32);
+                }
+            }
+            break;
+        }
+        default:
+            memset(w, 0, 256 * sizeof(float));
+    }
+}
+
+/* The whole [N, K] weight as float32 (the big-batch path: expand once, then a float GEMM). */
+void tf_kdequant(float *out, const uint8_t *raw, int64_t N, int64_t K, int64_t type) {
+    const int64_t bb = tf_kquant_block_bytes(type), nsb = K / 256;
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 16))
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t s = 0; s < nsb; s++) tf_kdecode(raw + (n * nsb + s) * bb, type, out + n * K + s * 256);
+}
+
+static inline float tf_dot256(const float *a, const float *b) {
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int i = 0; i < 256; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+/* y[M, N] = x[M, K] @ W^T for a K-quant W [N, K / 256 super-blocks]; 8 activation rows per pass. */
+void tf_kgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *raw, int64_t type) {
+    if (M > TF_MAX_ROWS) {
+        for (int64_t r0 = 0; r0 < M; r0 += TF_MAX_ROWS)
+            tf_kgemm(y + r0 * N, x + r0 * K, M - r0 < TF_MAX_ROWS ? M - r0 : TF_MAX_ROWS, K, N, raw, type);
+        return;
+    }
+    const int64_t bb = tf_kquant_block_bytes(type), nsb = K / 256;
+#pragma omp parallel for schedule(static) if (N >= 64)
+    for (int64_t n = 0; n < N; n++) {
+        float w[256] __attribute__((aligned(32)));
+        float acc[TF_MAX_ROWS] = {0};
+        for (int64_t s = 0; s < nsb; s++) {
+            tf_kdecode(raw + (n * nsb + s) * bb, type, w);
+            for (int64_t r = 0; r < M; r++) acc[r] += tf_dot256(w, x + r * K + s * 256);
+        }
+        for (int64_t r = 0; r < M; r++) y[r * N + n] = acc[r];
+    }
+}
+
 void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const float *d,
               const float *m, int64_t gs, int64_t bits) {
+    if (tf_kquant_block_bytes(bits)) {   /* a K-quant layout: bits is ggml's type id */
+        tf_kgemm(y, x, M, K, N, (const uint8_t *)q, bits);
+        return;
+    }
     if (M > TF_MAX_ROWS) {   /* the register tile holds 8 rows: more rows, more passes over W */
         for (int64_t r0 = 0; r0 < M; r0 += TF_MAX_ROWS)
             tf_qgemm(y + r0 * N, x + r0 * K, M - r0 < TF_MAX_ROWS ? M - r0 : TF_MAX_ROWS, K, N, q, d, m, gs, bits);

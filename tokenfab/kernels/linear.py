@@ -45,6 +45,9 @@ class LinearKernel(Protocol):
         """x [T, in] (contiguous rows, already input-scaled) -> [T, out], bias not added."""
 
 
+# GGUF's K-quant blocks run as stored (tokenfab/quant/kquants.py): one format per block type.
+KQUANT_FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+
 _REGISTRY: dict[str, LinearKernel] = {}
 
 
@@ -255,7 +258,7 @@ class TorchFloat:
 class FloatCopy:
     """A quantized weight dequantized once into a float32 oneDNN copy: the fastest path for big batches
     where the memory budget allows (4 bytes per weight, counted by the engine)."""
-    name, formats, tune_max_rows, float_copy = "float", ("int8", "int4", "q8_0"), None, True
+    name, formats, tune_max_rows, float_copy = "float", ("int8", "int4", "q8_0") + KQUANT_FORMATS, None, True
     rank, lossy = 1, False
 
     def supports(self, layer):
@@ -271,7 +274,7 @@ class FloatCopy:
 class Dequant:
     """Expand the weight to the activation dtype on every call, then F.linear: no extra memory, any
     device; the exact reference in tests."""
-    name, formats, tune_max_rows, float_copy = "dequant", ("int8", "int4", "q8_0", "w8a8"), None, False
+    name, formats, tune_max_rows, float_copy = "dequant", ("int8", "int4", "q8_0", "w8a8") + KQUANT_FORMATS, None, False
     rank, lossy = 3, False
 
     def supports(self, layer):

@@ -7,7 +7,9 @@ KV cache layout per layer: `[num_blocks, block_size, num_kv_heads, head_dim]` fo
 token's slot is `block_id * block_size + offset` and writes are one `index_copy_` over the flat view.
 
 The portable torch backend gathers each sequence's blocks and calls `scaled_dot_product_attention`.
-It runs on CPU and CUDA; faster backends must agree with it in tests. On CPU with float32 pools,
+It runs on CPU and CUDA; faster backends must agree with it in tests. A sliding-window layer (Gemma 3)
+passes `window`: its queries attend to the last `window` positions only, themselves included (as HF's
+sliding mask); the cache still holds every position (blocks are not freed per layer). On CPU with float32 pools,
 decodes read the blocks in place through tokenfab's C kernel (tokenfab/kernels) instead.
 
 int8 KV cache (`kv_cache_dtype="int8"`): a layer's K and V pools are `Int8KVCache`s, int8 values plus
@@ -103,26 +105,48 @@ class TorchPagedAttention:
         return dequantize_kv(q, scale, x.dtype)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 window: int | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens. Returns [T, H, D]."""
         k, v = self.write_kv(k_cache, v_cache, k, v, meta)
-        return self.attend(q, k, v, k_cache, v_cache, meta)
+        return self.attend(q, k, v, k_cache, v_cache, meta, window)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache,
-               meta: AttentionMetadata) -> torch.Tensor:
+               meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
         """Attention for tokens whose K/V are already in the cache (and given as k, v too)."""
         nd = meta.num_decode_tokens
         if not meta.prefills:                      # all decodes: the common step, no scatter
-            return self._decode(q, k_cache, v_cache, meta)
+            return self._decode_any(q, k_cache, v_cache, meta, window)
         if nd == 0 and len(meta.prefills) == 1:    # one prefill chunk alone
-            return self._prefill(q, k, v, k_cache, v_cache, meta.prefills[0])
+            return self._prefill(q, k, v, k_cache, v_cache, meta.prefills[0], window)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+            out[:nd] = self._decode_any(q[:nd], k_cache, v_cache, meta, window)
         for p in meta.prefills:
             s, e = p.query_start, p.query_start + p.query_len
-            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, p)
+            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, p, window)
         return out
+
+    def _decode_any(self, q, k_cache, v_cache, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
+        if window is None or meta.decode_max_context <= window:      # the window covers every context
+            return self._decode(q, k_cache, v_cache, meta)
+        if not isinstance(k_cache, Int8KVCache) and kernels.usable(q, k_cache):   # the C kernel's start offset
+            return kernels.decode_attention(q.reshape(q.shape[0], -1), k_cache, v_cache, meta.decode_block_tables,
+                                            meta.decode_context_lens, self.num_heads, self.num_kv_heads, self.scale,
+                                            window)
+        return self._decode_window(q, k_cache, v_cache, meta, window)
+
+    def _decode_window(self, q, k_cache, v_cache, meta: AttentionMetadata, window: int) -> torch.Tensor:
+        """Decode attention over each sequence's last `window` positions: gather + masked SDPA."""
+        L = meta.decode_max_context
+        keys = self._gather(k_cache, meta.decode_block_tables, L).transpose(1, 2)    # [B, KVH, L, D]
+        vals = self._gather(v_cache, meta.decode_block_tables, L).transpose(1, 2)
+        lens = meta.decode_context_lens
+        j = torch.arange(L, device=q.device)[None, :]
+        mask = ((j < lens[:, None]) & (j >= lens[:, None] - window))[:, None, None, :]
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask,
+                                           scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return o.squeeze(2)
 
     def _gather(self, cache: torch.Tensor | Int8KVCache, block_table: torch.Tensor, length: int) -> torch.Tensor:
         # [..., nblocks] -> [..., nblocks * block_size, KVH, D], cut to length
@@ -151,16 +175,23 @@ class TorchPagedAttention:
                                            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return o.squeeze(2)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillChunk) -> torch.Tensor:
+    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillChunk, window: int | None = None) -> torch.Tensor:
         gqa = self.num_heads != self.num_kv_heads
-        if p.context_len == p.query_len:   # nothing cached before: attend to the fresh K/V directly
+        slides = window is not None and p.context_len > window
+        if p.context_len == p.query_len and not slides:   # nothing cached before: the fresh K/V directly
             keys, vals, mask, causal = k, v, None, True
         else:
-            keys = self._gather(k_cache, p.block_table, p.context_len).to(q.dtype)
-            vals = self._gather(v_cache, p.block_table, p.context_len).to(q.dtype)
+            if p.context_len == p.query_len:
+                keys, vals = k, v
+            else:
+                keys = self._gather(k_cache, p.block_table, p.context_len).to(q.dtype)
+                vals = self._gather(v_cache, p.block_table, p.context_len).to(q.dtype)
             offset = p.context_len - p.query_len
             qi = torch.arange(p.query_len, device=q.device)[:, None] + offset
-            mask = torch.arange(p.context_len, device=q.device)[None, :] <= qi
+            j = torch.arange(p.context_len, device=q.device)[None, :]
+            mask = j <= qi
+            if slides:
+                mask &= j > qi - window
             causal = False
         o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
                                            vals.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal,

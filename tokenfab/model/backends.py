@@ -61,7 +61,7 @@ class TorchBackend:
         v = qkv[:, layer.q_size + layer.kv_size:].view(T, kvh, d)
         # q and k sit side by side in each row: rotate them in one go
         qk = rope.apply(qkv[:, :layer.q_size + layer.kv_size].view(T, h + kvh, d), rope_tables)
-        return self.paged(qk[:, :h], qk[:, h:], v, kv[0], kv[1], meta)
+        return self.paged(qk[:, :h], qk[:, h:], v, kv[0], kv[1], meta, layer.window)
 
     def run_stack(self, model, x, kv_caches, meta, num_layers=None) -> bool:
         return False
@@ -106,7 +106,7 @@ class CpuBackend(TorchBackend):
         q = qkv[:, :layer.q_size].view(T, layer.h, layer.d)
         k = qkv[:, layer.q_size:layer.q_size + layer.kv_size].view(T, layer.kvh, layer.d)
         v = qkv[:, layer.q_size + layer.kv_size:].view(T, layer.kvh, layer.d)
-        return self.cpu_paged.attend(q, k, v, kv[0], kv[1], meta)
+        return self.cpu_paged.attend(q, k, v, kv[0], kv[1], meta, layer.window)
 
     def run_stack(self, model, x, kv_caches, meta, num_layers=None) -> bool:
         if not self.fused_decode or meta.prefills or meta.positions is None or self._stack == ():
@@ -152,7 +152,9 @@ def _build_stack(model, kv_caches, cap: int) -> tuple | None:
     from tokenfab.kernels.tuning import default_plan
 
     cfg = model.config
-    if cfg.qk_norm or cfg.qkv_bias or cfg.head_dim > kernels.MAX_HEAD_DIM or cfg.head_dim % 2:
+    if cfg.qk_norm or cfg.qkv_bias or cfg.head_dim > kernels.MAX_HEAD_DIM or cfg.head_dim % 2 \
+            or cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.sliding_window:    # Gemma: the layer path
+
         return None
     rows = cap
     table = (kernels.Layer * len(model.layers))()
@@ -172,7 +174,7 @@ def _build_stack(model, kv_caches, cap: int) -> tuple | None:
                 lin.plan = default_plan(lin)
             first = lin.plan.choices[0]
             layout = first.state
-            if first.kernel.name != "qgemm" or layout[0].shape[1] * (2 if layout[4] == 4 else 1) != lin.in_features:
+            if first.kernel.name != "qgemm" or kernels.layout_in_features(layout) != lin.in_features:
                 return None
             if first.max_rows is not None:
                 rows = min(rows, first.max_rows)
@@ -186,7 +188,7 @@ def _build_stack(model, kv_caches, cap: int) -> tuple | None:
 
 def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                            device: str, dtype: torch.dtype, kv_dtype: torch.dtype, fused_decode: bool = True,
-                           fused_max_tokens: int = 16) -> AttentionBackend:
+                           fused_max_tokens: int = 16, scale: float | None = None) -> AttentionBackend:
     """The backend `name` ("auto" | "torch" | "cpu") for this model and machine; ValueError saying why
     when "cpu" is asked for where it cannot run."""
     if name not in ATTENTION_BACKENDS:
@@ -198,8 +200,14 @@ def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head
         why = "tokenfab's C kernels are not built (no C compiler, a failed build or TOKENFAB_CPU_KERNELS=0)"
     dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
     if name == "torch" or (name == "auto" and why):
-        return TorchBackend(**dims)
-    if why:
+        backend = TorchBackend(**dims)
+    elif why:
         raise ValueError(f"attention_backend='cpu' cannot run here: {why}; use 'auto' or 'torch'")
-    return CpuBackend(**dims, c_attention=kv_dtype == torch.float32, fused_decode=fused_decode,
-                      fused_max_tokens=fused_max_tokens)
+    else:
+        backend = CpuBackend(**dims, c_attention=kv_dtype == torch.float32, fused_decode=fused_decode,
+                             fused_max_tokens=fused_max_tokens)
+    if scale is not None:           # Gemma 3: query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5
+        for paged in (backend.paged, getattr(backend, "cpu_paged", None)):
+            if paged is not None:
+                paged.scale = scale
+    return backend

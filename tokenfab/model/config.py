@@ -1,10 +1,17 @@
-"""ModelConfig: the architecture numbers of a Llama-family decoder, from GGUF metadata or config.json."""
+"""ModelConfig: the architecture numbers of a Llama-family decoder, from GGUF metadata or config.json.
+
+Gemma 3 is the same decoder with a few switches (model/llama.py reads them): (1 + weight) norms,
+four norms per layer, GeGLU, q/k norms, sliding-window attention on most layers with its own RoPE
+base, embeddings scaled by sqrt(hidden) and attention scaled by query_pre_attn_scalar.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 # Architectures the decoder in llama.py runs, by HF `model_type` / GGUF `general.architecture`.
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+GEMMA3_SLIDING_PATTERN = 6      # every 6th layer global, the rest sliding (HF's default, llama.cpp's constant)
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
 @dataclass(slots=True)
@@ -26,6 +33,18 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
+    # Gemma 3's switches (defaults: the Llama decoder)
+    hidden_act: str = "silu"                 # "silu" (SwiGLU) | "gelu_pytorch_tanh" (GeGLU)
+    norm_offset: float = 0.0                 # RMSNorm multiplies by (norm_offset + weight)
+    sandwich_norms: bool = False             # norms after attention and MLP too (four per layer)
+    embed_scale: float | None = None         # embeddings multiplied by this (Gemma: sqrt(hidden))
+    attn_scale: float | None = None          # attention scale (None: head_dim ** -0.5)
+    sliding_window: int | None = None        # tokens a sliding layer attends to, itself included
+    sliding_layers: list[bool] = field(default_factory=list)   # per layer: sliding (True) or global
+    rope_local_theta: float | None = None    # RoPE base of the sliding layers
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_window) and layer < len(self.sliding_layers) and self.sliding_layers[layer]
 
     def num_params(self) -> int:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
@@ -33,7 +52,7 @@ class ModelConfig:
         kv = self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
         mlp = 3 * h * i
-        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return L * (attn + mlp + norms) + emb + h
 
@@ -41,8 +60,34 @@ class ModelConfig:
         """K and V for every layer: 2 x layers x kv_heads x head_dim x element size."""
         return int(2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element)
 
+    def use_gemma3(self, sliding_window: int | None, layer_types: list[str] | None, local_theta: float,
+                   query_pre_attn_scalar: float | None, hidden_act: str = "gelu_pytorch_tanh") -> None:
+        """Gemma 3's switches, in place."""
+        self.arch, self.hidden_act, self.norm_offset, self.sandwich_norms, self.qk_norm = \
+            "gemma3", hidden_act, 1.0, True, True
+        self.embed_scale = self.hidden_size ** 0.5
+        self.attn_scale = float(query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.sliding_window = int(sliding_window) if sliding_window else None
+        if layer_types is None:
+            layer_types = ["full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
+                           for i in range(self.num_layers)]
+        self.sliding_layers = [t == "sliding_attention" for t in layer_types]
+        self.rope_local_theta = float(local_theta)
+
+    def kv_bytes_for_context(self, context: int, bytes_per_element: float, windowed: bool) -> int:
+        """K and V of one sequence of `context` tokens; `windowed`: sliding layers holding only their
+        window (what freeing out-of-window blocks would give; the paged cache keeps every position today)."""
+        per_layer_token = 2 * self.num_kv_heads * self.head_dim * bytes_per_element
+        tokens = sum(min(context, self.sliding_window) if windowed and self.is_sliding(i) else context
+                     for i in range(self.num_layers))
+        return int(tokens * per_layer_token)
+
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
+        if cfg.get("model_type") == "gemma3" and "text_config" in cfg:     # the multimodal wrapper
+            cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
+        if cfg.get("model_type") == "gemma3_text":
+            return cls._from_hf_gemma3(cfg)
         arch = cfg.get("model_type", "")
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
@@ -71,3 +116,25 @@ class ModelConfig:
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             name=cfg.get("_name_or_path", ""),
         )
+
+    @classmethod
+    def _from_hf_gemma3(cls, cfg: dict) -> "ModelConfig":
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if "full_attention" in rope:          # transformers 5: one RoPE per layer type
+            glob, local = rope["full_attention"], rope.get("sliding_attention", {})
+        else:
+            glob, local = rope, {}
+        for r in (glob, local):
+            if r.get("rope_type", r.get("type", "default")) not in ("default", None):
+                raise ValueError(f"unsupported rope scaling {r.get('rope_type', r.get('type'))!r} "
+                                 "(only the default RoPE is implemented)")
+        for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if cfg.get(cap):
+                raise ValueError(f"unsupported {cap}={cfg[cap]} (Gemma 3 has none)")
+        out = cls.from_hf({**cfg, "model_type": "llama", "rope_parameters": None, "rope_scaling": None,
+                           "rope_theta": glob.get("rope_theta", cfg.get("rope_theta", 1000000.0))})
+        out.use_gemma3(cfg.get("sliding_window"), cfg.get("layer_types"),
+                       local.get("rope_theta", cfg.get("rope_local_base_freq", GEMMA3_LOCAL_ROPE_THETA)),
+                       cfg.get("query_pre_attn_scalar"), cfg.get("hidden_activation") or "gelu_pytorch_tanh")
+        out.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
+        return out

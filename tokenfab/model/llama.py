@@ -1,4 +1,6 @@
-"""The Llama-family decoder: Llama, SmolLM, Mistral, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm).
+"""The Llama-family decoder: Llama, SmolLM, Mistral, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm), and
+Gemma 3 as a configuration of it (ModelConfig's switches: (1 + weight) norms, four norms per layer,
+GeGLU, q/k norms, sliding-window layers with their own RoPE base, scaled embeddings and attention).
 
 It runs a flat batch: `input_ids` and `positions` concatenated over all sequences of a step, with the
 attention layout in an `AttentionMetadata` passed in by the runner. Projections are plain `nn.Linear`
@@ -21,8 +23,10 @@ from tokenfab.model.layers import RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, block_size: int):
+    def __init__(self, cfg: ModelConfig, block_size: int, index: int = 0):
         super().__init__()
+        # a sliding layer's query attends to the last `window` positions, itself included (else None)
+        self.window = cfg.sliding_window if cfg.is_sliding(index) else None
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.h * self.d, self.kvh * self.d
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
@@ -49,12 +53,18 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
+        if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported activation {cfg.hidden_act!r}; supported: silu, gelu_pytorch_tanh")
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"       # GeGLU (Gemma) instead of SwiGLU
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.c_kernel = False               # C SiLU-and-multiply; set once at load by the cpu backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if self.c_kernel:
             return self.down_proj(kernels.silu_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
@@ -62,14 +72,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, block_size: int):
+    def __init__(self, cfg: ModelConfig, block_size: int, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, block_size)
+        self.self_attn = Attention(cfg, block_size, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        # Gemma: post_attention_layernorm normalizes the attention output, and the MLP gets its own
+        # pre and post norms (Llama's post_attention_layernorm is the MLP's input norm)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, rope, rope_tables, kv, meta):
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, rope_tables, kv, meta))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), rope, rope_tables, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -79,12 +98,19 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, block_size) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, block_size, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
+        self.make_ropes(max_positions)
         self.requires_grad_(False)
         self.attention_backend = None      # chosen once at load: set_attention_backend
+
+    def make_ropes(self, max_positions: int) -> None:
+        """RoPE tables for every position: one base, or (Gemma 3) a second one for the sliding layers."""
+        cfg = self.config
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
+        self.rope_local = (RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta, max_positions)
+                           if cfg.rope_local_theta and cfg.rope_local_theta != cfg.rope_theta else None)
 
     def set_attention_backend(self, backend) -> None:
         """Install an AttentionBackend (model/backends.py) in every layer, once, at load."""
@@ -99,7 +125,7 @@ class LlamaModel(nn.Module):
         attn = self.layers[0].self_attn.attn
         return make_attention_backend(name, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                                       head_dim=cfg.head_dim, block_size=attn.block_size, device=w.device.type,
-                                      dtype=w.dtype, kv_dtype=kv_dtype or w.dtype, **opts)
+                                      dtype=w.dtype, kv_dtype=kv_dtype or w.dtype, scale=cfg.attn_scale, **opts)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -109,13 +135,20 @@ class LlamaModel(nn.Module):
         `num_layers`: run only the first layers, then the final norm and LM head (self-speculative
         drafting, engine/spec/layerskip.py); their K/V go to those layers' caches as usual."""
         x = self.embed_tokens(input_ids)
+        if self.config.embed_scale is not None:     # as HF: the scale rounded to the compute dtype first
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         if self.attention_backend is None:          # built by hand, not loaded: the automatic choice, once
             self.set_attention_backend(self.default_backend())
         # the cpu backend's one-call decode stack, else the layers one by one
         if not self.attention_backend.run_stack(self, x, kv_caches, meta, num_layers):
             tables = self.rope.tables(positions, x.dtype)
+            local = self.rope_local
+            local_tables = local.tables(positions, x.dtype) if local is not None else None
             for layer, kv in zip(self.layers[:num_layers], kv_caches):
-                x = layer(x, self.rope, tables, kv, meta)
+                if local is not None and layer.self_attn.window is not None:
+                    x = layer(x, local, local_tables, kv, meta)
+                else:
+                    x = layer(x, self.rope, tables, kv, meta)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
 
@@ -137,8 +170,14 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"weight {name} has shape {tuple(value.shape)}, expected {want}")
             setattr(module, attr, nn.Parameter(value.to(dtype).contiguous(), requires_grad=False))
 
+        def put_norm(module: nn.Module, name: str) -> None:
+            w = take(name)
+            if cfg.norm_offset:            # Gemma: x * (1 + w), computed in float32 as HF does
+                w = cfg.norm_offset + w.float()
+            put(module, w, name)
+
         put(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
-        put(self.norm, take("model.norm.weight"), "model.norm.weight")
+        put_norm(self.norm, "model.norm.weight")
         if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
             self.lm_head.weight = self.embed_tokens.weight
         else:
@@ -151,13 +190,16 @@ class LlamaModel(nn.Module):
                 put(a.qkv_proj, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]), p + "qkv bias", "bias")
             put(a.o_proj, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
             if cfg.qk_norm:
-                put(a.q_norm, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
-                put(a.k_norm, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
+                put_norm(a.q_norm, p + "self_attn.q_norm.weight")
+                put_norm(a.k_norm, p + "self_attn.k_norm.weight")
             gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             put(layer.mlp.gate_up_proj, gate_up, p + "mlp.gate_up_proj")
             put(layer.mlp.down_proj, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
-            put(layer.input_layernorm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
-            put(layer.post_attention_layernorm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
+            put_norm(layer.input_layernorm, p + "input_layernorm.weight")
+            put_norm(layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
+            if layer.sandwich:
+                put_norm(layer.pre_feedforward_layernorm, p + "pre_feedforward_layernorm.weight")
+                put_norm(layer.post_feedforward_layernorm, p + "post_feedforward_layernorm.weight")
 
 
 @torch.inference_mode()

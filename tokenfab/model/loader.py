@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tokenfab.model.bundled import resolve_model_path
-from tokenfab.model.config import SUPPORTED_ARCHS, ModelConfig
+from tokenfab.model.config import GEMMA3_LOCAL_ROPE_THETA, SUPPORTED_ARCHS, ModelConfig
 from tokenfab.model.tokenizer import load_tokenizer
 
 
@@ -42,16 +42,21 @@ _GGUF_LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Gemma's four norms per layer: llama.cpp's ffn_norm is its pre-MLP norm, as for Llama, but HF names that
+# pre_feedforward_layernorm there and keeps post_attention_layernorm for the norm after attention.
+_GGUF_GEMMA3_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                            "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 
 
-def gguf_name_to_hf(name: str) -> str:
+def gguf_name_to_hf(name: str, arch: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     base, _, suffix = name.rpartition(".")
     if base.startswith("blk."):
         _, idx, part = base.split(".", 2)
-        if part not in _GGUF_LAYER_NAMES:
+        names = _GGUF_GEMMA3_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+        if part not in names:
             raise KeyError(name)
-        return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[part]}.{suffix}"
+        return f"model.layers.{idx}.{names[part]}.{suffix}"
     if base not in _GGUF_TOP_NAMES:
         raise KeyError(name)
     return f"{_GGUF_TOP_NAMES[base]}.{suffix}"
@@ -69,7 +74,8 @@ def open_gguf(path: str):
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # gguf raises ValueError/IndexError/struct errors on damaged files
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise ModelLoadError(f"{path}: not a readable GGUF file, truncated or corrupt "
+                             f"({type(e).__name__}: {e})") from None
 
 
 def gguf_config(reader, path: str) -> ModelConfig:
@@ -90,7 +96,7 @@ def gguf_config(reader, path: str) -> ModelConfig:
         vocab = field(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
         head_dim = field(f"{arch}.attention.key_length") or field(f"{arch}.rope.dimension_count") or hidden // heads
         eos = field("tokenizer.ggml.eos_token_id")
-        return ModelConfig(
+        cfg = ModelConfig(
             arch=arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
@@ -109,11 +115,17 @@ def gguf_config(reader, path: str) -> ModelConfig:
             eos_token_ids=[] if eos is None else [int(eos)],
             name=str(field("general.name", "")),
         )
+        if arch == "gemma3":     # llama.cpp's constants: the pattern, the local base, head_dim ** -0.5
+            cfg.use_gemma3(field("gemma3.attention.sliding_window"), None, GEMMA3_LOCAL_ROPE_THETA, None)
+        return cfg
     except (TypeError, KeyError) as e:
         raise ModelLoadError(f"{path}: GGUF metadata is missing a required field ({e})") from None
 
 
-_NATIVE_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+# Run as shipped with quantization="gguf" (tokenfab/quant: Q5_0 widened into Q8_0's form, K-quants as stored).
+_NATIVE_GGUF_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Read (dequantized with the gguf package) for quantization="none"; anything else is refused by name.
+READABLE_GGUF_TYPES = ("F32", "F16", "BF16", "Q5_1") + _NATIVE_GGUF_TYPES
 
 
 def load_gguf_weights(reader, cfg: ModelConfig, path: str):
@@ -125,15 +137,19 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
     raw: dict[str, tuple[str, np.ndarray]] = {}
     for t in reader.tensors:
         try:
-            hf = gguf_name_to_hf(t.name)
+            hf = gguf_name_to_hf(t.name, cfg.arch)
         except KeyError:
             continue  # e.g. rope_freqs: derived from the config instead
         qtype = t.tensor_type
+        if qtype.name not in READABLE_GGUF_TYPES:
+            raise ModelLoadError(f"{path}: tensor {t.name} has quantization type {qtype.name}, which tokenfab "
+                                 f"does not read; supported: {', '.join(READABLE_GGUF_TYPES)}")
         types[qtype.name] = types.get(qtype.name, 0) + 1
         try:
             arr = gguf.quants.dequantize(t.data, qtype)
         except Exception as e:
-            raise ModelLoadError(f"{path}: tensor {t.name} of type {qtype.name} cannot be read ({e})") from None
+            raise ModelLoadError(f"{path}: tensor {t.name} of type {qtype.name} cannot be read, the file is "
+                                 f"truncated or corrupt ({type(e).__name__}: {e})") from None
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
         blocks = t.data if qtype.name in _NATIVE_GGUF_TYPES else None
@@ -142,6 +158,8 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
             w = _unpermute_rope_rows(w, heads)
             if blocks is not None:   # rows are independent blocks: permute the raw rows the same way
                 blocks = _unpermute_rope_rows(torch.from_numpy(np.array(blocks)), heads).numpy()
+        if cfg.norm_offset and hf.endswith("norm.weight"):
+            w = w - cfg.norm_offset       # llama.cpp stores Gemma's (1 + w); HF's convention is w
         weights[hf] = w
         if blocks is not None:
             raw[hf] = (qtype.name, blocks)

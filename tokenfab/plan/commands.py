@@ -286,7 +286,7 @@ def run_probe(args, progress=None) -> dict:
 
 def _engine_quantization(weight_dtype: str | None) -> str:
     """The engine's weight path for the weight dtype being calibrated (default: float, as described)."""
-    if weight_dtype in ("q4_0", "q4_1", "q8_0"):
+    if weight_dtype in ("q4_0", "q4_1", "q8_0", "q5_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"):
         return "gguf"
     if weight_dtype == "int8" or (weight_dtype or "").startswith("int4"):
         return weight_dtype.removesuffix("-asym")

@@ -49,6 +49,8 @@ _BASE = {
     "q5_0": DType("q5_0", 5, group_size=32, group_bits=16),
     "q5_1": DType("q5_1", 5, group_size=32, group_bits=32),
     # k-quants: 256-element super-blocks; ggml's own bits-per-weight figures.
+    "q2_k": DType("q2_k", 2.625),
+    "q3_k": DType("q3_k", 3.4375),
     "q4_k": DType("q4_k", 4.5),
     "q5_k": DType("q5_k", 5.5),
     "q6_k": DType("q6_k", 6.5625),

@@ -225,7 +225,9 @@ def spec_from_gguf_reader(r, path: str) -> ModelSpec:
         vocab=int(vocab), context_length=int(need("context_length") or 0),
         tied_embeddings="output.weight" not in names, num_experts=int(experts),
         experts_per_token=int(need("expert_used_count") or 1),
-        sliding_window=int(window) if window else None, sliding_layers=int(layers) if window else 0,
+        sliding_window=int(window) if window else None,
+        # Gemma 3: every 6th layer global (llama.cpp's constant); other GGUF windows apply to every layer
+        sliding_layers=(int(layers) - int(layers) // 6 if arch == "gemma3" else int(layers)) if window else 0,
         attn_bias="blk.0.attn_q.bias" in names, default_dtype=f"bpw:{bpw:.3f}", source=path)
 
 

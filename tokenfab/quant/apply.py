@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from tokenfab.quant.awq import ActivationStats, collect_activations, search_awq_scale
 from tokenfab.quant.linear import Int4Linear, Int8Linear, QuantLinear, W8A8Linear
-from tokenfab.quant.schemes import QuantScheme, parse_scheme
+from tokenfab.quant.schemes import KQUANT_FALLBACK, QuantScheme, parse_scheme
 
 DEFAULT_KEEP_FLOAT = ("lm_head", "embed_tokens", "token_embd", "output", "wte")
 
@@ -51,6 +51,11 @@ def quantize_linear(linear: nn.Linear, scheme: QuantScheme | str, input_scale: t
     """One quantized replacement for `linear` (AWQ schemes need the `input_scale` from the search)."""
     scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
     w, b = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+    if scheme.kquant:
+        from tokenfab.quant.kquants import KQUANT_LINEAR_TYPES, QK
+        if w.shape[1] % QK == 0:
+            return KQUANT_LINEAR_TYPES[scheme.kquant].from_float(w, b).to(w.device)
+        scheme = parse_scheme(KQUANT_FALLBACK[scheme.name])
     if scheme.bits == 8:
         q = (W8A8Linear if scheme.act8 else Int8Linear).from_float(w, b)
     else:

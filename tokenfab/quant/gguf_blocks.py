@@ -4,6 +4,7 @@ Block layouts (ggml's, groups of 32 weights along a row; see gguf.quants for the
 - Q8_0, 34 bytes: fp16 scale d, then 32 int8 q.                    w = d * q
 - Q4_0, 18 bytes: fp16 d, then 16 bytes of nibbles.                 w = d * (q - 8)
 - Q4_1, 20 bytes: fp16 d, fp16 m, then 16 bytes of nibbles.         w = d * q + m
+- Q5_0, 22 bytes: fp16 d, 4 bytes qh (bit j: weight j's fifth bit), 16 bytes of nibbles.   w = d * (q - 16)
 In the nibble bytes, byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
 
 `data` is what `gguf.GGUFReader` gives for a quantized tensor: uint8 `[rows, bytes_per_row]`
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 BLOCK = 32
-BLOCK_BYTES = {"Q8_0": 2 + BLOCK, "Q4_0": 2 + BLOCK // 2, "Q4_1": 4 + BLOCK // 2}
+BLOCK_BYTES = {"Q8_0": 2 + BLOCK, "Q4_0": 2 + BLOCK // 2, "Q4_1": 4 + BLOCK // 2, "Q5_0": 6 + BLOCK // 2}
 
 
 def _blocks(data, out_features: int, in_features: int, kind: str) -> np.ndarray:
@@ -59,3 +60,13 @@ def decode_q4_1(data, out_features: int, in_features: int) -> tuple[torch.Tensor
     """Returns (q uint8 [out, in] values 0..15, d float32, m float32 [out, in / 32]); w = d * q + m."""
     b = _blocks(data, out_features, in_features, "Q4_1")
     return _nibbles(b[..., 4:], out_features, in_features), _fp16(b[..., 0:2]), _fp16(b[..., 2:4])
+
+
+def decode_q5_0(data, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (q int8 [out, in] values -16..15, d float32 [out, in / 32]); w = d * q (Q8_0's form)."""
+    b = _blocks(data, out_features, in_features, "Q5_0")
+    qh = np.ascontiguousarray(b[..., 2:6]).view("<u4")                    # [out, nb, 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)   # [out, nb, 32]
+    low = _nibbles(b[..., 6:], out_features, in_features).numpy().reshape(high.shape)
+    q = (low | (high << 4)).astype(np.int16) - 16
+    return torch.from_numpy(q.astype(np.int8).reshape(out_features, in_features)), _fp16(b[..., 0:2])

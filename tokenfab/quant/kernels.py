@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenfab import kernels as cpu_kernels
-from tokenfab.kernels.linear import register
+from tokenfab.kernels.linear import KQUANT_FORMATS, register
 
 KERNEL_ALIASES = {"cpu": "qgemm"}     # the C kernel's name before the registry (CLI --kernel cpu)
 KERNELS = ("auto", "qgemm", "cpu", "packed", "float", "dequant")   # what `quant eval --kernel` offers
@@ -35,7 +35,7 @@ def _on_cpu(layer) -> bool:
 
 class QGemm:
     """tf_qgemm (tokenfab/kernels/cpu.c): AVX2 FMA over the stored blocks, int16 activation blocks."""
-    name, formats, tune_max_rows, float_copy = "qgemm", ("int8", "int4", "q8_0"), 64, False
+    name, formats, tune_max_rows, float_copy = "qgemm", ("int8", "int4", "q8_0") + KQUANT_FORMATS, 64, False
     rank, lossy = 0, False
 
     def supports(self, layer):
@@ -54,7 +54,7 @@ class QGemm:
         if x.dtype is not torch.float32:      # a plan made for float32 fed another dtype (offline tools)
             return self.run(state, x.float(), layer).to(x.dtype)
         q, d, m, gs, bits = state
-        if x.shape[1] != q.shape[1] * (2 if bits == 4 else 1):          # int4 rows padded to whole groups
+        if bits == 4 and x.shape[1] != q.shape[1] * 2:          # int4 rows padded to whole groups
             x = F.pad(x, (0, q.shape[1] * 2 - x.shape[1]))
         return cpu_kernels.qgemm(x, q, d, m, gs, bits, layer.out_features)
 

@@ -281,27 +281,44 @@ class Q8_0Linear(QuantLinear):
         return super().extra_repr() + ", gguf=Q8_0"
 
 
+class Q5_0Linear(Q8_0Linear):
+    """GGUF Q5_0, w = d * (q - 16) in blocks of 32: widened losslessly into Q8_0's int8 form (q - 16 fits
+    an int8), so every Q8_0 kernel runs it; 9 bits per weight in memory instead of the file's 5.5.
+    llama.cpp's Q4_K_M files use it for tensors whose width is not a multiple of 256 (Gemma 3's 640)."""
+
+    @classmethod
+    def from_gguf(cls, data, out_features: int, in_features: int, bias: torch.Tensor | None = None) -> "Q5_0Linear":
+        return cls(*gguf_blocks.decode_q5_0(data, out_features, in_features), bias)
+
+    def extra_repr(self):
+        return super().extra_repr().replace("gguf=Q8_0", "gguf=Q5_0")
+
+
 LINEAR_TYPES: dict[str, type[QuantLinear]] = {
-    c.__name__: c for c in (Int8Linear, W8A8Linear, Int4Linear, Q4_0Linear, Q4_1Linear, Q8_0Linear)}
+    c.__name__: c for c in (Int8Linear, W8A8Linear, Int4Linear, Q4_0Linear, Q4_1Linear, Q8_0Linear, Q5_0Linear)}
 
 
-GGUF_LINEAR_TYPES: dict[str, type[QuantLinear]] = {"Q4_0": Q4_0Linear, "Q4_1": Q4_1Linear, "Q8_0": Q8_0Linear}
+GGUF_LINEAR_TYPES: dict[str, type[QuantLinear]] = {"Q4_0": Q4_0Linear, "Q4_1": Q4_1Linear, "Q8_0": Q8_0Linear,
+                                                   "Q5_0": Q5_0Linear}
 
 
 def gguf_linear(data, type_name: str, out_features: int, in_features: int,
                 bias: torch.Tensor | None = None) -> QuantLinear | None:
-    """A native layer for a GGUF tensor of type Q4_0 / Q4_1 / Q8_0, or None for types that must be
+    """A native layer for a GGUF tensor of type Q4_0 / Q4_1 / Q8_0 / Q2_K..Q6_K, or None for types that must be
     dequantized. `data` is `GGUFReader`'s uint8 [rows, bytes]; rows can be permuted or concatenated
     (e.g. q, k and v into one fused projection) before the call, since each row's blocks stand alone."""
-    cls = GGUF_LINEAR_TYPES.get(type_name)
+    from tokenfab.quant.kquants import KQUANT_LINEAR_TYPES     # K-quants: Q2_K..Q6_K as stored
+    cls = GGUF_LINEAR_TYPES.get(type_name) or KQUANT_LINEAR_TYPES.get(type_name)
     return None if cls is None else cls.from_gguf(data, out_features, in_features, bias)
 
 
 def empty_from_config(cfg: dict) -> QuantLinear:
     """A module of the right type and shapes, ready for `load_state_dict` (used by checkpoint loading)."""
-    cls = LINEAR_TYPES.get(cfg.get("type", ""))
+    from tokenfab.quant.kquants import KQUANT_LINEAR_TYPES
+    types = {**LINEAR_TYPES, **{c.__name__: c for c in KQUANT_LINEAR_TYPES.values()}}
+    cls = types.get(cfg.get("type", ""))
     if cls is None:
-        raise ValueError(f"unknown quantized linear type {cfg.get('type')!r}; known: {sorted(LINEAR_TYPES)}")
+        raise ValueError(f"unknown quantized linear type {cfg.get('type')!r}; known: {sorted(types)}")
     return cls.empty(cfg)
 
 

@@ -7,6 +7,8 @@
   CPU kernels take bfloat16 activations, so logits differ from "none" at bf16 precision (see docs/quant.md);
 - "int8", "int4" (= int4-g32), "int4-g32", "int4-g64", "int4-g128": round-to-nearest weight-only
   quantization of every decoder linear (embeddings and LM head stay float);
+- "q4_k", "q6_k": GGUF K-quant blocks written from the float weights (tokenfab/quant/kquants.py), run as
+  stored; layers whose input width is not a multiple of 256 take int4-g32 / int8 instead;
 - "w8a8": int8 weights per channel and int8 activations per token, an integer GEMM on CPU (fastest at
   large batches, at a measured quality cost: docs/quant.md);
 - a folder written by `tokenfab quant` carries its own quantized layers and is applied automatically.
@@ -17,10 +19,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenfab.model.layers import RotaryEmbedding
 from tokenfab.model.llama import LlamaModel
 
-QUANTIZATIONS = ("auto", "none", "gguf", "int8", "w8a8", "int4", "int4-g32", "int4-g64", "int4-g128")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "w8a8", "int4", "int4-g32", "int4-g64", "int4-g128", "q4_k", "q6_k")
 
 
 def apply_quantization(model, loaded, quantization: str | None) -> None:
@@ -33,7 +34,7 @@ def apply_quantization(model, loaded, quantization: str | None) -> None:
         return
     if quantization == "gguf":
         if not loaded.gguf_raw:
-            raise ValueError(f"{loaded.path} has no Q4_0/Q4_1/Q8_0 tensors to run natively; "
+            raise ValueError(f"{loaded.path} has no Q4_0/Q4_1/Q5_0/Q8_0/Q2_K..Q6_K tensors to run natively; "
                              "use int8 or int4 to quantize float weights")
         use_gguf_blocks(model, loaded.gguf_raw)
         return
@@ -48,11 +49,14 @@ def use_gguf_blocks(model, raw: dict[str, tuple[str, np.ndarray]]) -> int:
 
     def native(sources: list[str], linear) -> bool:
         parts = [raw.get(s) for s in sources]
-        if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+        if any(p is None for p in parts):
             return False
-        data = np.concatenate([p[1] for p in parts], axis=0)
-        layer = gguf_linear(data, parts[0][0], linear.out_features, linear.in_features,
-                            None if linear.bias is None else linear.bias.data)
+        bias = None if linear.bias is None else linear.bias.data
+        if len({p[0] for p in parts}) == 1:      # one block type: the rows concatenate into one layer
+            data = np.concatenate([p[1] for p in parts], axis=0)
+            layer = gguf_linear(data, parts[0][0], linear.out_features, linear.in_features, bias)
+        else:                                    # llama.cpp's mixed files, e.g. Q4_K q/k with a Q6_K v
+            layer = mixed_gguf_linear(parts, linear.in_features, bias)
         if layer is None:
             return False
         owner, attr = holder[linear]
@@ -76,6 +80,38 @@ def use_gguf_blocks(model, raw: dict[str, tuple[str, np.ndarray]]) -> int:
     return sum(native(srcs, lin) for srcs, lin in plan)
 
 
+class ConcatLinear(nn.Module):
+    """Row blocks of one fused projection stored in different block types (llama.cpp's mixed files):
+    each part runs its own kernels, the outputs are concatenated. The one-call decode stack does not
+    take these layers (it needs one tf_qgemm layout per projection); the layer-by-layer path does."""
+
+    def __init__(self, parts: list[nn.Module], bias: torch.Tensor | None):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def mixed_gguf_linear(parts: list[tuple[str, np.ndarray]], in_features: int, bias) -> nn.Module | None:
+    """One projection from row blocks of different GGUF types: a single Q8_0-form layer when every part
+    decodes to it (Q8_0, Q5_0), else a ConcatLinear of native layers; None if a part has none."""
+    from tokenfab.quant.linear import Q8_0Linear, gguf_linear
+    layers = []
+    for kind, data in parts:
+        layer = gguf_linear(data, kind, np.asarray(data).shape[0], in_features)
+        if layer is None:
+            return None
+        layers.append(layer)
+    if all(isinstance(m, Q8_0Linear) for m in layers):
+        return Q8_0Linear(torch.cat([m.qweight for m in layers]), torch.cat([m.scales for m in layers]), bias)
+    return ConcatLinear(layers, bias)
+
+
 def build_model(loaded, dtype: torch.dtype, device: str, block_size: int, max_positions: int,
                 quantization: str = "auto") -> LlamaModel:
     """Build on the meta device (no wasted random init), move the real weights in, then swap in
@@ -85,7 +121,7 @@ def build_model(loaded, dtype: torch.dtype, device: str, block_size: int, max_po
     cfg = loaded.config
     with torch.device("meta"):
         model = LlamaModel(cfg, block_size, max_positions=1)
-    model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
+    model.make_ropes(max_positions)
     if is_quantized_checkpoint(loaded.path):     # written by `tokenfab quant`: our own layer names
         if quantization not in ("auto", "none"):
             raise ValueError(f"{loaded.path} is already quantized; leave quantization unset")

@@ -30,6 +30,7 @@ class QuantScheme:
     group_size: int | None     # None: one scale per output channel (int8)
     awq: bool = False          # activation-aware per-input-channel scaling from calibration data
     act8: bool = False         # activations quantized to int8 per token on the fly (W8A8): integer GEMM
+    kquant: str | None = None  # GGUF K-quant block type written (tokenfab/quant/kquants.py), e.g. "Q4_K"
 
 
 SCHEMES: dict[str, QuantScheme] = {
@@ -37,7 +38,13 @@ SCHEMES: dict[str, QuantScheme] = {
     "w8a8": QuantScheme("w8a8", 8, None, act8=True),
     **{f"int4-g{g}": QuantScheme(f"int4-g{g}", 4, g) for g in INT4_GROUP_SIZES},
     **{f"awq-int4-g{g}": QuantScheme(f"awq-int4-g{g}", 4, g, awq=True) for g in INT4_GROUP_SIZES},
+    # GGUF K-quant blocks (round to nearest in the block layout), run as stored by tf_qgemm's K-quant path
+    "q4_k": QuantScheme("q4_k", 4, 256, kquant="Q4_K"),
+    "q6_k": QuantScheme("q6_k", 6, 256, kquant="Q6_K"),
 }
+# K-quants need input widths divisible by 256; other layers take these (as llama.cpp falls back to
+# Q5_0 / Q8_0 there): int4 in groups of 32 for q4_k, int8 for q6_k
+KQUANT_FALLBACK = {"q4_k": "int4-g32", "q6_k": "int8"}
 # "int4" alone means groups of 32: the layout of the bundled model's Q4_1 weights.
 ALIASES = {"int4": "int4-g32", "awq-int4": "awq-int4-g128", "awq": "awq-int4-g128"}
 

@@ -1,0 +1,125 @@
+"""Gemma 3 (the decoder's gemma3 configuration): greedy output token-exact against transformers on a tiny
+random Gemma 3 with a sliding window of 16 (prompts longer than the window, so it slides), the same
+tokens batched, chunked, preempted and with prefix-cache hits, each attention backend; and the real
+Gemma 3 270M Q4_K_M file (slow)."""
+import json
+import os
+
+import pytest
+import torch
+
+from tests.oracle import hf_greedy
+from tokenfab import LLM, SamplingParams, kernels
+
+NEW_TOKENS = 40
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory, bundled_tokenizer):
+    """A random Gemma3ForCausalLM (7 layers: 5 sliding, 1 global, 1 sliding), norms randomized so that
+    the (1 + weight) offset matters, query_pre_attn_scalar unlike head_dim; saved as an HF folder."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    folder = str(tmp_path_factory.mktemp("gemma3"))
+    cfg = Gemma3TextConfig(vocab_size=len(bundled_tokenizer), hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                           sliding_window=WINDOW, query_pre_attn_scalar=24, max_position_embeddings=1024,
+                           initializer_range=0.2, bos_token_id=bundled_tokenizer.bos_token_id,
+                           eos_token_id=bundled_tokenizer.eos_token_id, pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0, 0.3)
+    model.save_pretrained(folder)
+    bundled_tokenizer.save_pretrained(folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        assert json.load(f)["model_type"] == "gemma3_text"
+    return folder, model
+
+
+PROMPTS = [list(range(200, 240)), [5, 17, 300, 4000, 99, 12], list(range(1000, 1070, 2)) * 2]
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_gemma3):
+    _, hf = tiny_gemma3
+    return [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+
+
+def _run(llm, prompts=PROMPTS):
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert llm.engine.block_manager.num_used_blocks() == 0
+    return out
+
+
+def test_gemma3_config_reads_the_switches(tiny_gemma3):
+    from tokenfab.model.loader import load_model_files
+    cfg = load_model_files(tiny_gemma3[0]).config
+    assert cfg.arch == "gemma3" and cfg.sliding_window == WINDOW and cfg.hidden_act == "gelu_pytorch_tanh"
+    assert cfg.sliding_layers == [True] * 5 + [False, True]
+    assert (cfg.rope_theta, cfg.rope_local_theta) == (1000000.0, 10000.0)
+    assert cfg.attn_scale == 24 ** -0.5 and cfg.embed_scale == 64 ** 0.5 and cfg.norm_offset == 1.0
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "torch-no-c"])
+def test_tiny_gemma3_matches_transformers_alone_and_batched(tiny_gemma3, hf_reference, backend, monkeypatch):
+    if backend == "cpu" and not kernels.enabled():
+        pytest.skip("tokenfab's C kernels are not built here")
+    if backend == "torch-no-c":          # the portable path (gather + masked SDPA), as CUDA runs it
+        monkeypatch.setattr(kernels, "usable", lambda *tensors: False)
+        backend = "torch"
+    llm = LLM(model=tiny_gemma3[0], max_model_len=512, num_kv_blocks=64, attention_backend=backend)
+    assert all(len(p) > WINDOW for p in (PROMPTS[0], PROMPTS[2]))
+    assert _run(llm) == hf_reference                                   # batched
+    assert [_run(llm, [p])[0] for p in PROMPTS] == hf_reference        # alone
+
+
+def test_tiny_gemma3_chunked_prefill_matches_transformers(tiny_gemma3, hf_reference):
+    llm = LLM(model=tiny_gemma3[0], max_model_len=512, num_kv_blocks=64, max_num_batched_tokens=12)
+    assert _run(llm) == hf_reference
+
+
+def test_tiny_gemma3_preemption_matches_transformers(tiny_gemma3, hf_reference):
+    llm = LLM(model=tiny_gemma3[0], max_model_len=128, num_kv_blocks=10, block_size=16)
+    assert _run(llm) == hf_reference
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_tiny_gemma3_prefix_cache_hits_match_transformers(tiny_gemma3):
+    _, hf = tiny_gemma3
+    shared = list(range(300, 348))                                    # 3 blocks, longer than the window
+    prompts = [shared + [7, 8, 9], shared + [11, 12]]
+    llm = LLM(model=tiny_gemma3[0], max_model_len=512, num_kv_blocks=64)
+    first = _run(llm, prompts[:1])
+    second = _run(llm, prompts[1:])
+    assert llm.engine.stats().prefix_cache_hits >= 32
+    assert first + second == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+# ------------------------------------------------------------------------------- the real file
+def gemma3_270m_path() -> str:
+    try:
+        from tokenfab.model.bundled import gemma3_270m_path as find
+        return find()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)      # transformers dequantizes the GGUF in numpy: minutes on 2 shared cores
+def test_gemma3_270m_q4_k_m_matches_transformers_past_the_sliding_window():
+    """The real file, float32 (quantization="none": the file's blocks dequantized, as transformers does):
+    a prompt longer than the 512-token window and 64 new tokens, token-exact."""
+    from tests.oracle import load_hf_gguf
+    path = gemma3_270m_path()
+    llm = LLM(model="gemma3-270m", quantization="none", max_model_len=1024, num_kv_blocks=128)
+    text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(60))
+    ids = llm.engine.tokenize(text)
+    assert len(ids) > 512
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    got = llm.generate([ids], params)[0].outputs[0].token_ids
+    assert got == hf_greedy(load_hf_gguf(path), ids, 64)

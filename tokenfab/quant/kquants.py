@@ -1,0 +1,180 @@
+"""GGUF's K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) as layers that run them as stored.
+
+A K-quant row is a run of super-blocks of 256 weights, each a fixed number of bytes holding fp16
+super-scales, 4-8 bit sub-block scales and the packed quants (the layouts are written out in
+tokenfab/kernels/cpu.c beside the decoder, and in the gguf package's numpy dequantizers, which the
+tests check the C decoder against block by block). `KQuantLinear` keeps the file's bytes, uint8
+[out, in / 256 * block bytes], and nothing else: no float copy. Its kernels (chosen at load by the
+measured table, tokenfab/kernels/tuning.py):
+- **qgemm**: `tf_qgemm` with ggml's type id as its `bits` (tf_kgemm in cpu.c): a super-block is
+  expanded into 256 floats once per weight row and dotted with up to 8 float32 activation rows. Also
+  what the one-call decode stack runs.
+- **float**: expanded once into a float32 oneDNN copy, where the table says it pays and the memory
+  budget allows (counted as a float copy).
+- **dequant**: expanded per call (tf_kdequant), then F.linear.
+
+`quantize_q4_k` / `quantize_q6_k` write float weights into Q4_K / Q6_K blocks (round to nearest in the
+block layout; gguf's Python package has no K-quant quantizer): the `q4_k` and `q6_k` schemes of
+`tokenfab quant`.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from tokenfab import kernels as cpu_kernels
+from tokenfab.quant.linear import QuantLinear
+
+QK = 256                                   # weights per super-block
+BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+TYPE_IDS = cpu_kernels.KQUANT_TYPES        # ggml's type ids: what tf_qgemm dispatches on
+
+
+def bits_per_weight(type_name: str) -> float:
+    """Stored bits per weight, scales included (Q4_K 4.5, Q6_K 6.5625)."""
+    return BLOCK_BYTES[type_name] * 8 / QK
+
+
+def check_blocks(data, type_name: str, out_features: int, in_features: int) -> np.ndarray:
+    """`data` as uint8 [out, in / 256 * block bytes]; ValueError (one line) when the size is wrong."""
+    if in_features % QK:
+        raise ValueError(f"{type_name} needs an input width divisible by {QK}, got {in_features}")
+    arr = np.ascontiguousarray(np.asarray(data)).view(np.uint8)
+    row = in_features // QK * BLOCK_BYTES[type_name]
+    if arr.size != out_features * row:
+        raise ValueError(f"{type_name} data for [{out_features}, {in_features}] should be {out_features * row} "
+                         f"bytes, got {arr.size} (truncated or corrupt)")
+    return arr.reshape(out_features, row)
+
+
+def reference_dequantize(blocks: np.ndarray, type_name: str, out_features: int, in_features: int) -> np.ndarray:
+    """gguf's numpy dequantizer: the reference (and the path without the C kernels)."""
+    import gguf
+    w = gguf.quants.dequantize(np.ascontiguousarray(blocks), gguf.GGMLQuantizationType[type_name])
+    return np.asarray(w, dtype=np.float32).reshape(out_features, in_features)
+
+
+# ------------------------------------------------------------------------------------ quantizers
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """float [out, in] (in % 256 == 0) -> Q4_K bytes [out, in / 256 * 144]: per sub-block of 32,
+    w ~ d * sc * q - dmin * m with q 0..15, sc and m 6-bit, d and dmin fp16 per super-block."""
+    n, k = w.shape
+    x = w.astype(np.float32).reshape(-1, 8, 32)                       # [blocks, sub, 32]
+    lo = np.minimum(x.min(axis=2), 0.0)                               # the sub-block's offset (<= 0)
+    scale = (x.max(axis=2) - lo) / 15.0
+    d = _f16(scale.max(axis=1) / 63.0)                                # super-scales, fp16 as stored
+    dmin = _f16(-lo.min(axis=1) / 63.0)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.where(df > 0, np.rint(scale / df), 0), 0, 63).astype(np.uint8)
+        mn = np.clip(np.where(dminf > 0, np.rint(-lo / dminf), 0), 0, 63).astype(np.uint8)
+        a = (df * sc)[..., None]
+        q = np.where(a > 0, np.rint((x + (dminf * mn)[..., None]) / a), 0)
+    q = np.clip(q, 0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)     # [blocks, chunk of 64, half, 32]
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    s = np.empty((x.shape[0], 12), np.uint8)
+    s[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    s[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    s[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    out = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), s, qs], axis=1)
+    return out.reshape(n, k // QK * 144)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """float [out, in] -> Q6_K bytes [out, in / 256 * 210]: per sub-block of 16, w ~ d * sc * (q - 32)
+    with q 0..63, sc int8, d fp16 per super-block."""
+    n, k = w.shape
+    x = w.astype(np.float32).reshape(-1, 16, 16)
+    scale = np.abs(x).max(axis=2) / 31.0
+    d = _f16(scale.max(axis=1) / 127.0)
+    df = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.where(df > 0, np.rint(scale / df), 0), 0, 127).astype(np.int8)
+        a = (df * sc)[..., None]
+        q = np.where(a > 0, np.rint(x / a), 0)
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 128)          # [blocks, half, 128]
+    lo, hi = q & 15, q >> 4
+    ql = (lo[:, :, :64] | (lo[:, :, 64:] << 4)).reshape(-1, 128)
+    h4 = hi.reshape(-1, 2, 4, 32)
+    qh = (h4[:, :, 0] | (h4[:, :, 1] << 2) | (h4[:, :, 2] << 4) | (h4[:, :, 3] << 6)).reshape(-1, 64)
+    out = np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], axis=1)
+    return out.reshape(n, k // QK * 210)
+
+
+QUANTIZERS = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
+
+
+# ---------------------------------------------------------------------------------------- layers
+class KQuantLinear(QuantLinear):
+    """A K-quant weight as stored in the GGUF file (see the module docstring)."""
+    ggml_type: ClassVar[str]
+
+    def __init__(self, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None = None):
+        super().__init__(in_features, blocks.shape[0], bias)
+        assert blocks.dtype == torch.uint8 and blocks.shape[1] == in_features // QK * BLOCK_BYTES[self.ggml_type]
+        self.register_buffer("blocks", blocks.contiguous())
+        self._no_scales = torch.empty(1)        # tf_qlin's d slot: unused by K-quant layouts
+
+    @classmethod
+    def from_gguf(cls, data, out_features: int, in_features: int, bias: torch.Tensor | None = None):
+        arr = check_blocks(data, cls.ggml_type, out_features, in_features)
+        return cls(torch.from_numpy(arr.copy()), in_features, bias)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        if cls.ggml_type not in QUANTIZERS:
+            raise ValueError(f"no quantizer for {cls.ggml_type}; {', '.join(QUANTIZERS)} can be written")
+        if weight.shape[1] % QK:
+            raise ValueError(f"{cls.ggml_type} needs an input width divisible by {QK}, got {weight.shape[1]}")
+        blocks = QUANTIZERS[cls.ggml_type](weight.detach().float().cpu().numpy())
+        return cls(torch.from_numpy(blocks), weight.shape[1], bias)
+
+    @classmethod
+    def empty(cls, cfg: dict):
+        n, k = cfg["out_features"], cfg["in_features"]
+        return cls(torch.zeros(n, k // QK * BLOCK_BYTES[cls.ggml_type], dtype=torch.uint8), k,
+                   torch.zeros(n) if cfg["bias"] else None)
+
+    @property
+    def type_id(self) -> int:
+        return TYPE_IDS[self.ggml_type]
+
+    def dequantize(self, dtype=torch.float32):
+        if self.blocks.is_cpu and cpu_kernels.enabled():
+            w = cpu_kernels.kdequant(self.blocks, self.type_id, self.out_features, self.in_features)
+        else:
+            w = torch.from_numpy(reference_dequantize(self.blocks.cpu().numpy(), self.ggml_type,
+                                                      self.out_features, self.in_features)).to(self.blocks.device)
+        return w.to(dtype)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` expanded (a tied K-quant token embedding serves lookups without a float copy)."""
+        flat = ids.reshape(-1)
+        rows = self.blocks[flat].contiguous()
+        if cpu_kernels.enabled() and rows.is_cpu:
+            w = cpu_kernels.kdequant(rows, self.type_id, rows.shape[0], self.in_features)
+        else:
+            w = torch.from_numpy(reference_dequantize(rows.cpu().numpy(), self.ggml_type, rows.shape[0],
+                                                      self.in_features))
+        return w.to(dtype).reshape(*ids.shape, self.in_features)
+
+    def cpu_layout(self):
+        return self.blocks, self._no_scales, None, QK, self.type_id
+
+    def extra_repr(self):
+        return super().extra_repr() + f", gguf={self.ggml_type}"
+
+
+def _layer_class(type_name: str) -> type[KQuantLinear]:
+    return type(f"{type_name}Linear", (KQuantLinear,), {
+        "ggml_type": type_name, "weight_format": type_name.lower(),
+        "__doc__": f"GGUF {type_name} blocks as stored ({bits_per_weight(type_name):g} bits per weight)."})
+
+
+KQUANT_LINEAR_TYPES: dict[str, type[KQuantLinear]] = {t: _layer_class(t) for t in BLOCK_BYTES}
