@@ -97,7 +97,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     # No argparse choices: EngineConfig.validate owns the list and names it when a value is wrong.
     g.add_argument("--quantization", "-q", default=None,
                    help="weights: auto (GGUF blocks as shipped, else float), none (float), gguf, int8, w8a8 "
-                        "(int8 weights and activations), int4, int4-g32, int4-g64 or int4-g128 "
+                        "(int8 weights and activations), int4, int4-g32, int4-g64, int4-g128, q4_k or q6_k (GGUF K-quant "
+                        "blocks) "
                         f"(default: {d.quantization})")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
                    help=f"fcfs, or priority (lower `priority` values run first) (default: {d.scheduling_policy})")
