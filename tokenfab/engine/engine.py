@@ -306,8 +306,9 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.scheduled_time is None:
                 seq.scheduled_time = now
+        num_tokens = batch.total_tokens
         if self.before_execute is not None:
-            self.before_execute(sum(batch.num_new_tokens))
+            self.before_execute(num_tokens)
         t_run = time.perf_counter()
         step = self.runner.prepare(batch)
         masks = self.structured.masks(step.sampling_seqs)   # structured output; overlaps the model if enabled
@@ -320,7 +321,7 @@ class LLMEngine:
             rows = [SampleRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in step.sampling_seqs]
             sampled = self.sampler(logits[:num_rows], rows, bitmask) if rows else []
         if self.thread_controller is not None:
-            self.thread_controller.observe(sum(batch.num_new_tokens), time.perf_counter() - t_run)
+            self.thread_controller.observe(num_tokens, time.perf_counter() - t_run)
         if step.prompt_rows:
             self._record_prompt_logprobs(logits[num_rows:], step.prompt_rows)
         prompt_done = []

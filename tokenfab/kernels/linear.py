@@ -115,14 +115,20 @@ class LinearPlan:
                    if c.kernel.float_copy and isinstance(c.state, torch.Tensor))
 
 
-def build_plan(layer: "KernelLinear", ranges: list[tuple[int | None, str]]) -> LinearPlan:
-    """A plan from [(max_rows, kernel name)], ascending, last None; merges neighbours that agree."""
+def merge_ranges(ranges: list[tuple[int | None, str]]) -> list[tuple[int | None, str]]:
+    """[(max_rows, kernel name)], ascending, with neighbours that name the same kernel merged."""
     merged: list[tuple[int | None, str]] = []
     for rows, name in ranges:
         if merged and merged[-1][1] == name:
             merged[-1] = (rows, name)
         else:
             merged.append((rows, name))
+    return merged
+
+
+def build_plan(layer: "KernelLinear", ranges: list[tuple[int | None, str]]) -> LinearPlan:
+    """A plan from [(max_rows, kernel name)], ascending, last None; merges neighbours that agree."""
+    merged = merge_ranges(ranges)
     states: dict[str, Any] = {}
     choices = []
     for rows, name in merged:

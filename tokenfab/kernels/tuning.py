@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenfab.kernels.linear import (KernelLinear, LinearPlan, build_plan, candidates, get, plan_linears,
+from tokenfab.kernels.linear import (KernelLinear, LinearPlan, build_plan, candidates, get, merge_ranges, plan_linears,
                                      registered, row_buckets)
 
 log = logging.getLogger("tokenfab.kernels")
@@ -323,13 +323,7 @@ def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int,
 
 def build_describe(ranges: list[tuple[int | None, str]]) -> str:
     out, lo = [], 1
-    merged: list[tuple[int | None, str]] = []
-    for rows, name in ranges:
-        if merged and merged[-1][1] == name:
-            merged[-1] = (rows, name)
-        else:
-            merged.append((rows, name))
-    for rows, name in merged:
+    for rows, name in merge_ranges(ranges):
         out.append(f"{name} {lo}+" if rows is None else f"{name} {lo}-{rows}")
         lo = (rows or 0) + 1
     return ", ".join(out)

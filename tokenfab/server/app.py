@@ -75,7 +75,7 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(chat.router)
-    app.include_router(batch_routes.router)
+    batch_routes.install(app)
     _add_small_routes(app, state)
     add_doctor_route(app, state)
     if config.ui:

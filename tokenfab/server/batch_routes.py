@@ -32,8 +32,13 @@ def _store(request: Request):
     return _service(request).store
 
 
-def _api(e: StoreError) -> APIError:
-    return APIError(e.status, str(e), param=e.param, code=e.code)
+def install(app) -> None:
+    """The Batch API's routes, and the store's refusals (StoreError) as OpenAI error bodies."""
+    app.include_router(router)
+
+    @app.exception_handler(StoreError)
+    async def _store_error(_: Request, e: StoreError) -> JSONResponse:
+        return APIError(e.status, str(e), param=e.param, code=e.code).response()
 
 
 # -- files --------------------------------------------------------------------------------------
@@ -61,10 +66,7 @@ async def upload_file(request: Request) -> JSONResponse:
     if not data.strip():
         raise APIError(400, "the file is empty; a batch file holds one JSON request per line",
                        param="file", code="invalid_file")
-    try:
-        return JSONResponse(_store(request).add_file(filename, purpose, data))
-    except StoreError as e:
-        raise _api(e) from None
+    return JSONResponse(_store(request).add_file(filename, purpose, data))
 
 
 @router.get("/v1/files")
@@ -74,26 +76,17 @@ async def list_files(request: Request, purpose: str | None = None) -> dict:
 
 @router.get("/v1/files/{file_id}")
 async def get_file(request: Request, file_id: str) -> dict:
-    try:
-        return _store(request).get_file(file_id)
-    except StoreError as e:
-        raise _api(e) from None
+    return _store(request).get_file(file_id)
 
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(request: Request, file_id: str) -> Response:
-    try:
-        return Response(_store(request).file_content(file_id), media_type="application/jsonl")
-    except StoreError as e:
-        raise _api(e) from None
+    return Response(_store(request).file_content(file_id), media_type="application/jsonl")
 
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(request: Request, file_id: str) -> dict:
-    try:
-        return _store(request).delete_file(file_id)
-    except StoreError as e:
-        raise _api(e) from None
+    return _store(request).delete_file(file_id)
 
 
 # -- batches ------------------------------------------------------------------------------------
@@ -137,25 +130,16 @@ async def create_batch(request: Request) -> dict:
 async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> dict:
     if not 1 <= limit <= 100:
         raise APIError(400, f"limit must be in 1..100, got {limit}", param="limit")
-    try:
-        data, more = _store(request).list_batches(limit, after)
-    except StoreError as e:
-        raise _api(e) from None
+    data, more = _store(request).list_batches(limit, after)
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": more}
 
 
 @router.get("/v1/batches/{batch_id}")
 async def get_batch(request: Request, batch_id: str) -> dict:
-    try:
-        return _store(request).get_batch(batch_id)
-    except StoreError as e:
-        raise _api(e) from None
+    return _store(request).get_batch(batch_id)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(request: Request, batch_id: str) -> dict:
-    try:
-        return await _service(request).cancel(batch_id)
-    except StoreError as e:
-        raise _api(e) from None
+    return await _service(request).cancel(batch_id)
