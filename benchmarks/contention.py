@@ -3,9 +3,11 @@ quiet figure measured in the same run, with the adaptive thread count on and off
 
     python benchmarks/contention.py                 # 2 busy processes, 64 tokens, adaptive on and off
     python benchmarks/contention.py --busy 1 --tokens 128
+    python benchmarks/contention.py --url http://127.0.0.1:8080   # any OpenAI-compatible server, e.g. llama-server
 
 The busy processes are plain Python loops (one core each), like the two `yes > /dev/null` of issue 12.
-Measure llama.cpp the same way with its own server and these loops beside it. On a machine other people
+`--url` measures a running server the same way (one non-streamed completion at a time, `ignore_eos`),
+so llama.cpp's `llama-server` and `tokenfab serve` are compared with the same loops beside them. On a machine other people
 share, the quiet figure is itself contended: say so with the numbers.
 """
 from __future__ import annotations
@@ -42,13 +44,59 @@ def tok_per_s(llm: LLM, tokens: int, repeats: int) -> float:
     return best
 
 
+def _busy_loops(n: int):
+    stop = mp.Event()
+    procs = [mp.Process(target=_spin, args=(stop,), daemon=True) for _ in range(n)]
+    for p in procs:
+        p.start()
+    time.sleep(0.5)
+    return stop, procs
+
+
+def _end_busy(stop, procs) -> None:
+    stop.set()
+    for p in procs:
+        p.join(5)
+
+
+def server_tok_per_s(url: str, tokens: int, repeats: int) -> float:
+    import httpx
+
+    best = 0.0
+    with httpx.Client(base_url=url, timeout=600) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+        for _ in range(repeats):
+            t = time.perf_counter()
+            r = client.post("/v1/completions", json=body)
+            r.raise_for_status()
+            best = max(best, r.json()["usage"]["completion_tokens"] / (time.perf_counter() - t))
+    return best
+
+
+def measure_server(args) -> None:
+    server_tok_per_s(args.url, 8, 1)                          # warm
+    quiet = server_tok_per_s(args.url, args.tokens, args.repeats)
+    stop, procs = _busy_loops(args.busy)
+    try:
+        busy = server_tok_per_s(args.url, args.tokens, args.repeats)
+    finally:
+        _end_busy(stop, procs)
+    print(f"{'server':>28} {'quiet tok/s':>12} {'busy tok/s':>11} {'busy/quiet':>11}")
+    print(f"{args.url:>28} {quiet:12.1f} {busy:11.1f} {busy / quiet:11.2f}")
+    print("command: python benchmarks/contention.py " + " ".join(sys.argv[1:]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--busy", type=int, default=2, help="busy processes beside the engine (default 2)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--url", default=None, help="measure this running OpenAI-compatible server instead")
     args = ap.parse_args()
+    if args.url:
+        return measure_server(args)
     files = load_model_files(args.model)
     print(f"cpu: {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; busy processes: {args.busy}")
     rows = []
@@ -56,18 +104,12 @@ def main() -> None:
         llm = LLM(loaded=files, max_model_len=512, max_num_seqs=4, adaptive_threads=adaptive)
         tok_per_s(llm, 8, 1)                                   # warm
         quiet = tok_per_s(llm, args.tokens, args.repeats)
-        stop = mp.Event()
-        procs = [mp.Process(target=_spin, args=(stop,), daemon=True) for _ in range(args.busy)]
-        for p in procs:
-            p.start()
+        stop, procs = _busy_loops(args.busy)
         try:
-            time.sleep(0.5)
             busy = tok_per_s(llm, args.tokens, args.repeats)
             threads = torch.get_num_threads()
         finally:
-            stop.set()
-            for p in procs:
-                p.join(5)
+            _end_busy(stop, procs)
         ctl = llm.engine.thread_controller
         rows.append((adaptive, quiet, busy, threads, ctl.reductions if ctl else 0))
         torch.set_num_threads(ctl.max_threads if ctl else torch.get_num_threads())
