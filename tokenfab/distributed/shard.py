@@ -1,0 +1,111 @@
+"""Which part of the model a tensor-parallel rank owns (Megatron-style), and the all-reduce it needs.
+
+Per decoder layer, rank r of t owns:
+- attention heads r*H/t .. (r+1)*H/t - 1 and KV heads r*KVH/t .. (r+1)*KVH/t - 1: the matching rows of
+  q_proj / k_proj / v_proj (and their biases): column-parallel, no communication. Heads are contiguous,
+  so a query head's GQA partner (head // (H/KVH)) lands on the same rank;
+- the matching columns of o_proj: row-parallel, its partial sums all-reduced across ranks;
+- rows r*I/t .. (r+1)*I/t - 1 of gate_proj and up_proj (column-parallel) and those columns of down_proj
+  (row-parallel + all-reduce).
+Embeddings, norms, q/k norms and the LM head are replicated: the LM head runs on rank 0 only (workers ask
+for no logits), so replicating it costs memory, not time. A rank's KV pool holds only its KV heads.
+
+Sharding happens on the HF-named float weights before the model is built, so a rank's model is an
+ordinary LlamaModel of a smaller config (`shard_config`) and loads as one; `wrap_row_parallel` then puts
+the all-reduce behind o_proj and down_proj.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+
+def check_divisible(cfg, tp: int) -> None:
+    """ValueError naming the numbers when the model does not split into `tp` equal shards."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+    for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
+                    ("MLP intermediate size", cfg.intermediate_size)):
+        if n % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {n} {what}; "
+                             f"use a size that divides {cfg.num_heads} heads, {cfg.num_kv_heads} KV heads "
+                             f"and intermediate size {cfg.intermediate_size}")
+
+
+def shard_config(cfg, tp: int):
+    """The per-rank ModelConfig: 1/tp of the heads, KV heads and MLP width; head_dim and hidden size unchanged."""
+    check_divisible(cfg, tp)
+    return replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
+                   intermediate_size=cfg.intermediate_size // tp)
+
+
+def _rows(w: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    n = w.shape[0] // tp
+    return w[rank * n:(rank + 1) * n]
+
+
+def _cols(w: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    n = w.shape[1] // tp
+    return w[:, rank * n:(rank + 1) * n]
+
+
+def shard_weights(weights: dict[str, torch.Tensor], cfg, rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """HF-named weights -> this rank's share (views; everything not split is passed through)."""
+    check_divisible(cfg, tp)
+    out = dict(weights)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for name in ("q", "k", "v"):
+            for kind in ("weight", "bias"):
+                key = f"{p}self_attn.{name}_proj.{kind}"
+                if key in out:      # rows are heads x head_dim, so a row slice is a head slice
+                    out[key] = _rows(out[key], rank, tp)
+        out[p + "self_attn.o_proj.weight"] = _cols(out[p + "self_attn.o_proj.weight"], rank, tp)
+        for name in ("gate", "up"):
+            out[f"{p}mlp.{name}_proj.weight"] = _rows(out[f"{p}mlp.{name}_proj.weight"], rank, tp)
+        out[p + "mlp.down_proj.weight"] = _cols(out[p + "mlp.down_proj.weight"], rank, tp)
+    return out
+
+
+@dataclass(slots=True)
+class CommStats:
+    """All-reduce calls, bytes and seconds on this rank since start (benchmarks/tensor_parallel.py)."""
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class RowParallel(nn.Module):
+    """A row-parallel linear: this rank's partial product, then the sum over ranks (all-reduce).
+
+    The inner linear stays a child named `linear`, so the kernel seam (pack_linears, select_kernels)
+    finds and plans it like any other."""
+
+    def __init__(self, linear: nn.Module, stats: CommStats, group=None):
+        super().__init__()
+        self.linear = linear
+        self.stats, self.group = stats, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        y = self.linear(x).contiguous()
+        t0 = time.perf_counter()
+        dist.all_reduce(y, group=self.group)
+        s = self.stats
+        s.seconds += time.perf_counter() - t0
+        s.calls += 1
+        s.bytes += y.numel() * y.element_size()
+        return y
+
+
+def wrap_row_parallel(model, stats: CommStats | None = None) -> CommStats:
+    """Put the all-reduce behind every layer's o_proj and down_proj, in place; returns the shared stats."""
+    stats = stats or CommStats()
+    for layer in model.layers:
+        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, stats)
+        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, stats)
+    model.tp_comm = stats
+    return stats
