@@ -53,7 +53,7 @@ class _Workers:
 
     def __init__(self):
         self.procs, self.conns = [], []
-        self.group_up = False
+        self.store = None       # rank 0's rendezvous store: kept for the group's lifetime
 
     def stop(self, timeout: float = 10.0) -> None:
         for c in self.conns:
@@ -74,9 +74,7 @@ class _Workers:
         for c in self.conns:
             c.close()
         self.procs, self.conns = [], []
-        if self.group_up:
-            group.destroy_group()
-            self.group_up = False
+        self.store = None
 
 
 class TensorParallelRunner(ModelRunner):
@@ -93,15 +91,14 @@ class TensorParallelRunner(ModelRunner):
         self.error: str | None = None
         self.workers = workers = _Workers()
         self._finalizer = weakref.finalize(self, workers.stop)
-        addr, port = group.rendezvous()
         ctx = torch.multiprocessing.get_context("spawn")
         threads = threads_per_rank(config)
         try:
             for rank in range(1, size):
                 parent, child = ctx.Pipe()
                 p = ctx.Process(target=worker_main, name=f"tokenfab-tp{rank}", daemon=True,
-                                args=(rank, size, addr, port, config, model_path, num_blocks, max_positions,
-                                      threads, child, os.getpid()))
+                                args=(rank, size, config, model_path, num_blocks, max_positions, threads,
+                                      child, os.getpid()))
                 p.start()
                 child.close()
                 workers.procs.append(p)
@@ -110,10 +107,11 @@ class TensorParallelRunner(ModelRunner):
                 status = _wait_ready(p, c, rank)
                 if status != "ok":
                     raise RuntimeError(f"tensor parallelism: {status}")
+            store, addr, port = group.host_store(size)
             for c in workers.conns:
-                c.send("init")
-            group.init_group(config.device, 0, size, addr, port)
-            workers.group_up = True
+                c.send(("init", addr, port))
+            self.model.tp_comm.group = group.make_group(store, config.device, 0, size)
+            workers.store = store
         except BaseException:
             workers.stop(timeout=2)
             raise
@@ -134,12 +132,15 @@ class TensorParallelRunner(ModelRunner):
             self.error = (f"tensor-parallel group stopped: {type(e).__name__}: {e}"
                           + (f" (worker {', '.join(dead)} exited)" if dead else "")
                           + "; the engine must be recreated")
+            self.model.tp_comm.group = None
+            self.workers.stop(timeout=2)       # a worker may wait in an all-reduce rank 0 never joins
             self.close()
             raise RuntimeError(self.error) from e
 
     def close(self) -> None:
-        """Stop the workers and leave the process group; idempotent."""
+        """Stop the workers and drop the process group; idempotent."""
         self._finalizer()
+        self.model.tp_comm.group = None
 
     @property
     def comm(self):

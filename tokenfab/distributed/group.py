@@ -1,19 +1,24 @@
-"""The tensor-parallel process group: which backend, where to meet, how long to wait.
+"""The tensor-parallel process group: which backend, where the ranks meet, how long they wait.
 
-gloo on CPU (and what the tests run: 2 local processes), NCCL on CUDA, where rank r drives cuda:r.
-Ranks meet at MASTER_ADDR:MASTER_PORT: the environment's values when set, else 127.0.0.1 and a port
-the OS says is free (picked by rank 0 and handed to the workers, which see it in their environment too).
+gloo on CPU (what the tests run: 2 local processes), NCCL on CUDA, where rank r drives cuda:r.
+Each engine makes its own group object (`ProcessGroupGloo` / `ProcessGroupNCCL` over a TCPStore) and
+passes it to every collective; nothing goes through torch.distributed's global default group, so
+several tensor-parallel engines can live in one process and closing one leaves no global state.
+
+Rank 0 hosts the store at MASTER_ADDR:MASTER_PORT when those are set, else on 127.0.0.1 and a port the
+OS picks while binding (so no other process can take it between picking and binding); the workers
+get the address and port from rank 0 and see them as MASTER_ADDR / MASTER_PORT in their environment.
 """
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
-# How long one all-reduce may wait for the other ranks. A dead rank is noticed at once (its sockets
-# close); this bounds the wait on a rank that hangs without dying, and must exceed the slowest step.
+# How long one collective may wait for the other ranks. A dead rank is noticed at once (its sockets
+# close); this bounds the wait on a rank that hangs without dying, so it must exceed the slowest step.
 COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("TOKENFAB_TP_TIMEOUT", "600")))
 
 
@@ -26,31 +31,24 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if torch.device(device).type == "cuda" else device
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def rendezvous() -> tuple[str, int]:
-    """(address, port) for this group: MASTER_ADDR / MASTER_PORT if set, else localhost and a free port."""
+def host_store(size: int) -> tuple[dist.TCPStore, str, int]:
+    """Rank 0's rendezvous store and where it listens."""
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = os.environ.get("MASTER_PORT")
-    return addr, int(port) if port else free_port()
+    port = int(os.environ.get("MASTER_PORT") or 0)
+    store = dist.TCPStore(addr, port, size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    return store, addr, store.port
 
 
-def init_group(device: str, rank: int, size: int, addr: str, port: int) -> None:
-    import torch.distributed as dist
-    if dist.is_initialized():
-        raise RuntimeError("a torch.distributed process group already exists in this process; one "
-                           "tensor-parallel engine per process (close the other one first: LLM.close())")
-    if backend_for(device) == "nccl":
+def join_store(addr: str, port: int, size: int) -> dist.TCPStore:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    return dist.TCPStore(addr, port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+
+
+def make_group(store: dist.TCPStore, device: str, rank: int, size: int):
+    """This rank's process group; returns once every rank has joined (or raises at the timeout)."""
+    if backend_for(device) == "nccl":       # untested here (no GPU): one device per rank
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend_for(device), init_method=f"tcp://{addr}:{port}", rank=rank,
-                            world_size=size, timeout=COLLECTIVE_TIMEOUT)
-
-
-def destroy_group() -> None:
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = COLLECTIVE_TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)

@@ -71,11 +71,24 @@ def shard_weights(weights: dict[str, torch.Tensor], cfg, rank: int, tp: int) -> 
 
 
 @dataclass(slots=True)
-class CommStats:
-    """All-reduce calls, bytes and seconds on this rank since start (benchmarks/tensor_parallel.py)."""
+class Comm:
+    """A rank's process group (set once the ranks have met) and its all-reduce counters since start
+    (benchmarks/tensor_parallel.py reads them). One per model, shared by its row-parallel linears."""
+    group: object = None
     calls: int = 0
     bytes: int = 0
     seconds: float = 0.0
+
+    def all_reduce(self, y: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        if self.group is None:
+            raise RuntimeError("this tensor-parallel shard has no process group yet (engine not started)")
+        t0 = time.perf_counter()
+        dist.all_reduce(y, group=self.group)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        self.bytes += y.numel() * y.element_size()
+        return y
 
 
 class RowParallel(nn.Module):
@@ -84,28 +97,21 @@ class RowParallel(nn.Module):
     The inner linear stays a child named `linear`, so the kernel seam (pack_linears, select_kernels)
     finds and plans it like any other."""
 
-    def __init__(self, linear: nn.Module, stats: CommStats, group=None):
+    def __init__(self, linear: nn.Module, comm: Comm):
         super().__init__()
         self.linear = linear
-        self.stats, self.group = stats, group
+        self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-        y = self.linear(x).contiguous()
-        t0 = time.perf_counter()
-        dist.all_reduce(y, group=self.group)
-        s = self.stats
-        s.seconds += time.perf_counter() - t0
-        s.calls += 1
-        s.bytes += y.numel() * y.element_size()
-        return y
+        return self.comm.all_reduce(self.linear(x).contiguous())
 
 
-def wrap_row_parallel(model, stats: CommStats | None = None) -> CommStats:
-    """Put the all-reduce behind every layer's o_proj and down_proj, in place; returns the shared stats."""
-    stats = stats or CommStats()
+def wrap_row_parallel(model) -> Comm:
+    """Put the all-reduce behind every layer's o_proj and down_proj, in place; returns their shared Comm
+    (also `model.tp_comm`), whose group the launcher sets once the ranks have met."""
+    comm = Comm()
     for layer in model.layers:
-        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, stats)
-        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, stats)
-    model.tp_comm = stats
-    return stats
+        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, comm)
+        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, comm)
+    model.tp_comm = comm
+    return comm

@@ -69,14 +69,14 @@ class _Shard:
         self.kv_bytes_per_token, self.kv_sized_from = kv_bytes_per_token, "rank 0"
 
 
-def worker_main(rank: int, size: int, addr: str, port: int, config, path: str, num_blocks: int,
-                max_positions: int, num_threads: int, conn, parent_pid: int) -> None:
-    """Entry point of a spawned worker rank. Reports "ok" or an error string on `conn` once loaded."""
+def worker_main(rank: int, size: int, config, path: str, num_blocks: int, max_positions: int,
+                num_threads: int, conn, parent_pid: int) -> None:
+    """Entry point of a spawned worker rank. Reports "ok" or an error string on `conn` once loaded, then
+    waits for ("init", address, port) to join the group."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
     logging.basicConfig(level=logging.WARNING, format=f"tokenfab rank {rank}: %(levelname)s %(message)s")
     torch.set_num_threads(num_threads)
-    from tokenfab.distributed.group import destroy_group, init_group, rank_device
+    from tokenfab.distributed.group import join_store, make_group, rank_device
     try:
         from tokenfab.engine.engine import _DTYPES, LLMEngine
         from tokenfab.engine.runner import ModelRunner
@@ -99,9 +99,14 @@ def worker_main(rank: int, size: int, addr: str, port: int, config, path: str, n
         conn.send(f"rank {rank} failed to load: {type(e).__name__}: {e}")
         return
     conn.send("ok")
-    if conn.recv() != "init":
+    try:
+        msg = conn.recv()
+    except (EOFError, OSError):
         return
-    init_group(config.device, rank, size, addr, port)
+    if msg[0] != "init":
+        return
+    store = join_store(msg[1], msg[2], size)
+    model.tp_comm.group = make_group(store, config.device, rank, size)
     try:
         while True:
             try:
@@ -116,4 +121,3 @@ def worker_main(rank: int, size: int, addr: str, port: int, config, path: str, n
         os._exit(1)
     finally:
         conn.close()
-    destroy_group()
