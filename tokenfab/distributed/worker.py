@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -74,6 +75,9 @@ def worker_main(rank: int, size: int, config, path: str, num_blocks: int, max_po
     """Entry point of a spawned worker rank. Reports "ok" or an error string on `conn` once loaded, then
     waits for ("init", address, port) to join the group."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    # Ctrl-C reaches the whole process group: rank 0 decides when to stop (the server drains its
+    # requests first, which needs the workers), so a worker ignores it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format=f"tokenfab rank {rank}: %(levelname)s %(message)s")
     torch.set_num_threads(num_threads)
     from tokenfab.distributed.group import join_store, make_group, rank_device
