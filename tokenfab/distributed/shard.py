@@ -16,8 +16,9 @@ the all-reduce behind o_proj and down_proj.
 """
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -78,11 +79,20 @@ class Comm:
     calls: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    # Benchmarks only (TOKENFAB_TP_MEASURE_WAIT=1, inherited by every rank, or they would disagree on
+    # the collectives): a 1-element all-reduce first, so `wait_seconds` holds the time spent waiting
+    # for the slower rank and `seconds` the all-reduce itself with the ranks aligned.
+    measure_wait: bool = field(default_factory=lambda: os.environ.get("TOKENFAB_TP_MEASURE_WAIT") == "1")
+    wait_seconds: float = 0.0
 
     def all_reduce(self, y: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
         if self.group is None:
             raise RuntimeError("this tensor-parallel shard has no process group yet (engine not started)")
+        if self.measure_wait:
+            t0 = time.perf_counter()
+            dist.all_reduce(torch.zeros(1, dtype=y.dtype, device=y.device), group=self.group)
+            self.wait_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()
         dist.all_reduce(y, group=self.group)
         self.seconds += time.perf_counter() - t0
