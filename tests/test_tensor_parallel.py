@@ -179,3 +179,19 @@ def test_rank0_forward_error_stops_the_workers_and_keeps_failing_clearly(tiny_ll
     with pytest.raises(RuntimeError, match="must be recreated"):
         llm.generate(PROMPTS[:1], GREEDY)
     llm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,extra", [("qwen2", {"kv_cache_dtype": "int8"}), ("qwen3", {}),
+                                        ("llama", {"quantization": "int8", "attention_backend": "torch"})])
+def test_tp2_greedy_tokens_equal_tp1_other_families_and_options(kind, extra, tmp_path, bundled_tokenizer,
+                                                                restore_threads):
+    make_tiny_model(kind, str(tmp_path), bundled_tokenizer)
+    kw = {**ENGINE, **extra}
+    want = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **kw).generate(PROMPTS, GREEDY)]
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **kw)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+        assert llm.engine.block_manager.num_used_blocks() == 0
+    finally:
+        llm.close()
