@@ -108,10 +108,35 @@ def test_sharded_weights_concatenate_to_the_full_weights(tmp_path, bundled_token
         assert torch.equal(s.lm_head.weight, full.lm_head.weight)
 
 
-@pytest.mark.parametrize("size,names", [(3, "4 attention heads"), (4, "2 KV heads")])
-def test_tp_size_that_does_not_divide_the_model_is_a_clear_error(tiny_llama, size, names):
+def test_tp_size_that_does_not_divide_the_heads_is_a_clear_error(tiny_llama):
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the model's 4 attention heads"):
+        LLM(tiny_llama, tensor_parallel_size=3, **ENGINE)
+
+
+@pytest.mark.parametrize("heads,kv,inter,size,names", [(12, 4, 96, 3, "4 KV heads"), (4, 2, 90, 4, "90 MLP")])
+def test_kv_heads_and_mlp_width_that_do_not_split_are_clear_errors(heads, kv, inter, size, names):
+    from types import SimpleNamespace
+    from tokenfab.distributed.shard import check_divisible
+    cfg = SimpleNamespace(num_heads=heads, num_kv_heads=kv, intermediate_size=inter)
     with pytest.raises(ValueError, match=f"tensor_parallel_size {size} does not divide the model's {names}"):
-        LLM(tiny_llama, tensor_parallel_size=size, **ENGINE)
+        check_divisible(cfg, size)
+    check_divisible(SimpleNamespace(num_heads=8, num_kv_heads=1, intermediate_size=64), 4)   # KV replicated
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated_to_their_query_heads(tmp_path, bundled_tokenizer, monkeypatch):
+    from tests import oracle
+    monkeypatch.setitem(oracle.TINY_CONFIGS, "llama-mqa", dict(oracle.TINY_CONFIGS["llama"], num_key_value_heads=1))
+    make_tiny_model("llama-mqa", str(tmp_path), bundled_tokenizer)
+    from tokenfab.model.loader import load_model_files
+    from tokenfab.quant.load import build_model
+    files = load_model_files(str(tmp_path))
+    full = build_model(files, torch.float32, "cpu", 16, 64, "none")
+    for r in range(2):
+        a = build_model(files, torch.float32, "cpu", 16, 64, "none", tp=(r, 2)).layers[0].self_attn
+        assert (a.h, a.kvh) == (2, 1)
+        f = full.layers[0].self_attn
+        assert torch.equal(a.qkv_proj.weight[a.q_size:], f.qkv_proj.weight[f.q_size:])       # the one K/V head
+        assert torch.equal(a.qkv_proj.weight[:a.q_size], f.qkv_proj.weight[r * a.q_size:(r + 1) * a.q_size])
 
 
 def test_cli_bad_tp_size_exits_non_zero_with_the_numbers(tiny_llama):
@@ -182,10 +207,12 @@ def test_rank0_forward_error_stops_the_workers_and_keeps_failing_clearly(tiny_ll
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,extra", [("qwen2", {"kv_cache_dtype": "int8"}), ("qwen3", {}),
+@pytest.mark.parametrize("kind,extra", [("qwen2", {"kv_cache_dtype": "int8"}), ("qwen3", {}), ("llama-mqa", {}),
                                         ("llama", {"quantization": "int8", "attention_backend": "torch"})])
 def test_tp2_greedy_tokens_equal_tp1_other_families_and_options(kind, extra, tmp_path, bundled_tokenizer,
-                                                                restore_threads):
+                                                                restore_threads, monkeypatch):
+    from tests import oracle      # llama-mqa: one KV head, replicated on both ranks
+    monkeypatch.setitem(oracle.TINY_CONFIGS, "llama-mqa", dict(oracle.TINY_CONFIGS["llama"], num_key_value_heads=1))
     make_tiny_model(kind, str(tmp_path), bundled_tokenizer)
     kw = {**ENGINE, **extra}
     want = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **kw).generate(PROMPTS, GREEDY)]

@@ -3,7 +3,9 @@
 Per decoder layer, rank r of t owns:
 - attention heads r*H/t .. (r+1)*H/t - 1 and KV heads r*KVH/t .. (r+1)*KVH/t - 1: the matching rows of
   q_proj / k_proj / v_proj (and their biases): column-parallel, no communication. Heads are contiguous,
-  so a query head's GQA partner (head // (H/KVH)) lands on the same rank;
+  so a query head's GQA partner (head // (H/KVH)) lands on the same rank. With fewer KV heads than
+  ranks (t a multiple of KVH, as vLLM allows), each KV head is replicated on the t/KVH ranks whose
+  query heads use it: rank r holds KV head r // (t/KVH);
 - the matching columns of o_proj: row-parallel, its partial sums all-reduced across ranks;
 - rows r*I/t .. (r+1)*I/t - 1 of gate_proj and up_proj (column-parallel) and those columns of down_proj
   (row-parallel + all-reduce).
@@ -28,18 +30,20 @@ def check_divisible(cfg, tp: int) -> None:
     """ValueError naming the numbers when the model does not split into `tp` equal shards."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-    for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
+    kv_ok = cfg.num_kv_heads % tp == 0 or tp % cfg.num_kv_heads == 0    # split, or replicated
+    for what, n in (("attention heads", cfg.num_heads), ("KV heads", 0 if kv_ok else cfg.num_kv_heads),
                     ("MLP intermediate size", cfg.intermediate_size)):
         if n % tp:
             raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {n} {what}; "
-                             f"use a size that divides {cfg.num_heads} heads, {cfg.num_kv_heads} KV heads "
-                             f"and intermediate size {cfg.intermediate_size}")
+                             f"use a size that divides {cfg.num_heads} heads and intermediate size "
+                             f"{cfg.intermediate_size} and divides or is a multiple of {cfg.num_kv_heads} KV heads")
 
 
 def shard_config(cfg, tp: int):
-    """The per-rank ModelConfig: 1/tp of the heads, KV heads and MLP width; head_dim and hidden size unchanged."""
+    """The per-rank ModelConfig: 1/tp of the heads, KV heads (at least one) and MLP width; head_dim and
+    hidden size unchanged."""
     check_divisible(cfg, tp)
-    return replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
+    return replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=max(1, cfg.num_kv_heads // tp),
                    intermediate_size=cfg.intermediate_size // tp)
 
 
@@ -57,13 +61,17 @@ def shard_weights(weights: dict[str, torch.Tensor], cfg, rank: int, tp: int) -> 
     """HF-named weights -> this rank's share (views; everything not split is passed through)."""
     check_divisible(cfg, tp)
     out = dict(weights)
+    kvh = cfg.num_kv_heads
+    # K/V: split like q when there are enough KV heads, else rank r takes (a copy of) KV head r // (tp / kvh)
+    kv_rank, kv_parts = (rank, tp) if kvh % tp == 0 else (rank // (tp // kvh), kvh)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         for name in ("q", "k", "v"):
+            r, n = (rank, tp) if name == "q" else (kv_rank, kv_parts)
             for kind in ("weight", "bias"):
                 key = f"{p}self_attn.{name}_proj.{kind}"
                 if key in out:      # rows are heads x head_dim, so a row slice is a head slice
-                    out[key] = _rows(out[key], rank, tp)
+                    out[key] = _rows(out[key], r, n)
         out[p + "self_attn.o_proj.weight"] = _cols(out[p + "self_attn.o_proj.weight"], rank, tp)
         for name in ("gate", "up"):
             out[f"{p}mlp.{name}_proj.weight"] = _rows(out[f"{p}mlp.{name}_proj.weight"], rank, tp)
