@@ -222,3 +222,25 @@ def test_tp2_greedy_tokens_equal_tp1_other_families_and_options(kind, extra, tmp
         assert llm.engine.block_manager.num_used_blocks() == 0
     finally:
         llm.close()
+
+
+@pytest.mark.slow
+def test_tp2_gemma3_sliding_window_one_kv_head_equals_tp1(tmp_path, bundled_tokenizer, restore_threads):
+    # Gemma 3: sandwich norms around the all-reduced outputs, GeGLU, q/k norms, a window of 16 slid past,
+    # and its single KV head replicated on both ranks
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+    cfg = Gemma3TextConfig(vocab_size=len(bundled_tokenizer), hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                           sliding_window=16, query_pre_attn_scalar=24, max_position_embeddings=1024,
+                           initializer_range=0.2, bos_token_id=bundled_tokenizer.bos_token_id,
+                           eos_token_id=bundled_tokenizer.eos_token_id, pad_token_id=0)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(tmp_path))
+    bundled_tokenizer.save_pretrained(str(tmp_path))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **ENGINE).generate(PROMPTS, params)]
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+    finally:
+        llm.close()
