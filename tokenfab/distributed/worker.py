@@ -23,7 +23,6 @@ import traceback
 import numpy as np
 import torch
 
-log = logging.getLogger("tokenfab.distributed")
 
 STOP = "stop"
 
