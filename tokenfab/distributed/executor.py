@@ -144,7 +144,7 @@ class TensorParallelRunner(ModelRunner):
 
     @property
     def comm(self):
-        """Rank 0's all-reduce counters (shard.CommStats)."""
+        """Rank 0's process group and all-reduce counters (shard.Comm)."""
         return self.model.tp_comm
 
 
