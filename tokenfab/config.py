@@ -42,6 +42,7 @@ class EngineConfig:
     small_batch_tokens: int = DEFAULT_SMALL_BATCH_TOKENS   # serve --small-batch-threads: steps this small
     adaptive_threads: bool = True            # lower the thread count while other processes take cores, restore
                                              # it after (tokenfab/engine/threads.py; CPU, 2+ threads)
+    tensor_parallel_size: int = 1            # ranks one model is split over (torch.distributed); docs/tensor_parallel.md
     speculative_config: dict | None = None   # e.g. {"method": "ngram", "num_speculative_tokens": 4}; docs/speculative.md
 
     @classmethod
@@ -55,7 +56,7 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

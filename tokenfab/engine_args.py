@@ -130,6 +130,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     g.add_argument("--enable-fused-decode", action=argparse.BooleanOptionalAction, default=None,
                    help=f"cpu backend: one C call for the whole stack on small decode steps "
                         f"(default: {'on' if d.enable_fused_decode else 'off'})")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=None, metavar="N",
+                   help="split the model over N ranks (torch.distributed: gloo on CPU, NCCL on CUDA), "
+                        f"launched locally (default: {d.tensor_parallel_size}; docs/tensor_parallel.md)")
     g.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(default: off; docs/speculative.md)")

@@ -27,6 +27,10 @@ class LLM:
         self.engine = LLMEngine(self.config, loaded=loaded)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop what runs beside this process (tensor-parallel worker ranks). Also done at exit."""
+        self.engine.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

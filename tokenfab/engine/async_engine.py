@@ -172,6 +172,9 @@ class AsyncEngine:
             self._inbox.put(_Stop())
             await asyncio.to_thread(self._thread.join, timeout)
         self._fail_all(EngineDeadError("the server is shutting down"))
+        close = getattr(self.engine, "close", None)      # tensor-parallel workers (engine.close)
+        if close is not None:
+            close()
 
     @property
     def is_alive(self) -> bool:

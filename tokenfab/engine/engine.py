@@ -150,8 +150,12 @@ class LLMEngine:
             log.warning("max_model_len %d lowered to %d: the KV pool holds only %d tokens",
                         max_len, self.max_model_len, num_blocks * config.block_size)
 
+        tp = config.tensor_parallel_size
+        if tp > 1:          # this process is rank 0 of a tensor-parallel group (tokenfab/distributed)
+            from tokenfab.distributed.executor import prepare_rank0
+            prepare_rank0(config)
         self.model = build_model(files, self.dtype, config.device, config.block_size, self.max_model_len + 1,
-                                 config.quantization)
+                                 config.quantization, tp=(0, tp))
         self._choose_kernels(kv_dtype, num_blocks * block_bytes)
         del files
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -159,6 +163,10 @@ class LLMEngine:
                                    config.enable_chunked_prefill, config.scheduling_policy, config.batch_prefill_share,
                                    config.long_prompt_threshold, config.max_long_prefill_tokens)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype, config.device)
+        if tp > 1:          # the other ranks load their shards and join; each step goes to them too
+            from tokenfab.distributed.executor import TensorParallelRunner
+            self.runner = TensorParallelRunner.start(config, self.model_path, self.runner, num_blocks,
+                                                     self.max_model_len + 1)
         self.eos_token_ids = list(mcfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, mcfg.vocab_size)
         self.structured = GrammarCompiler(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
@@ -212,6 +220,12 @@ class LLMEngine:
         log.info("memory: KV pool %.0f MiB (%d tokens, %s), weights %.0f MiB, float copies of quantized weights "
                  "%.0f MiB", kv_bytes / 2**20, kv_bytes // self.kv_bytes_per_token, self.kv_sized_from,
                  m["weights"] / 2**20, m["float_copies"] / 2**20)
+
+    def close(self) -> None:
+        """Release what outlives the object by itself: tensor-parallel worker processes. Idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     # -- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

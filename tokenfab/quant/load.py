@@ -113,12 +113,16 @@ def mixed_gguf_linear(parts: list[tuple[str, np.ndarray]], in_features: int, bia
 
 
 def build_model(loaded, dtype: torch.dtype, device: str, block_size: int, max_positions: int,
-                quantization: str = "auto") -> LlamaModel:
+                quantization: str = "auto", tp: tuple[int, int] | None = None) -> LlamaModel:
     """Build on the meta device (no wasted random init), move the real weights in, then swap in
-    quantized layers as asked (apply_quantization)."""
+    quantized layers as asked (apply_quantization).
+
+    `tp` = (rank, size): build only that tensor-parallel rank's shard (tokenfab/distributed/shard.py)."""
     from tokenfab.quant.checkpoint import apply_checkpoint, is_quantized_checkpoint
 
     cfg = loaded.config
+    if tp is not None and tp[1] > 1:
+        return _build_shard(loaded, dtype, device, block_size, max_positions, quantization, *tp)
     with torch.device("meta"):
         model = LlamaModel(cfg, block_size, max_positions=1)
     model.make_ropes(max_positions)
@@ -132,6 +136,36 @@ def build_model(loaded, dtype: torch.dtype, device: str, block_size: int, max_po
     else:
         model.load_hf_weights(loaded.weights, dtype)
         apply_quantization(model, loaded, quantization)
+    model = model.to(device)
+    model.set_attention_backend(model.default_backend())
+    return model
+
+
+def _build_shard(loaded, dtype, device, block_size, max_positions, quantization, rank: int, size: int) -> LlamaModel:
+    """One tensor-parallel rank's model: its share of the float weights, quantized after sharding
+    (so every quantized block lies within one shard), with the all-reduces in place."""
+    from tokenfab.distributed.shard import shard_config, shard_weights, wrap_row_parallel
+    from tokenfab.quant.checkpoint import is_quantized_checkpoint
+
+    if is_quantized_checkpoint(loaded.path):
+        raise ValueError(f"{loaded.path} is a tokenfab quant checkpoint; tensor parallelism shards float "
+                         "weights: use the float model with --quantization int8/int4 instead")
+    if quantization == "gguf":
+        raise ValueError("quantization 'gguf' (the file's blocks as shipped) does not shard yet; with "
+                         "tensor_parallel_size > 1 use 'auto' or 'none' (float) or int8/int4")
+    if quantization == "auto" and loaded.gguf_raw:
+        import logging
+        logging.getLogger("tokenfab.engine").warning(
+            "tensor parallelism: the GGUF file's blocks are dequantized to float and then sharded")
+    cfg = shard_config(loaded.config, size)
+    with torch.device("meta"):
+        model = LlamaModel(cfg, block_size, max_positions=1)
+    model.make_ropes(max_positions)
+    model.load_hf_weights(shard_weights(loaded.weights, loaded.config, rank, size), dtype)
+    if quantization not in ("auto", "none"):
+        from tokenfab.quant.apply import quantize_model
+        quantize_model(model, "int4-g32" if quantization == "int4" else quantization)
+    wrap_row_parallel(model)
     model = model.to(device)
     model.set_attention_backend(model.default_backend())
     return model

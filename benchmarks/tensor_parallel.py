@@ -1,0 +1,197 @@
+"""Tensor parallelism on this machine: TP=1 against TP=2 step times, the all-reduce share of a step,
+and the planner's communication model against the all-reduces measured.
+
+    python benchmarks/tensor_parallel.py                  # ~1-2 minutes on the 2-core VM
+    python benchmarks/tensor_parallel.py --layers 16 --batch 1 8 32 --new-tokens 48
+
+1. A gloo all-reduce micro-benchmark (2 spawned ranks, float32 messages of 1..512 tokens x hidden):
+   a least-squares fit of time = latency + bytes x 2(t-1)/t / bandwidth, the planner's ring formula
+   (tokenfab/plan/roofline.py: allreduce_s), gives the interconnect_latency_us and interconnect_gb_s
+   to put in a hardware entry.
+2. A random-weight Llama (built from a transformers config; nothing downloaded) generates greedily at
+   each batch size under TP=1 (all threads) and TP=2 (the threads split between the ranks): median
+   prefill and decode step times, and rank 0's all-reduce seconds per decode step (which include
+   waiting for the slower rank).
+3. The planner's predicted all-reduce time per decode step (2 x layers x allreduce_s(batch x hidden x
+   4 bytes), with the fitted link numbers) against that measurement.
+
+Numbers are noisy on a shared machine: compare ratios from one run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# -------------------------------------------------------------------------- 1. the link
+def _allreduce_rank(rank: int, size: int, port: int, sizes: list[int], reps: int, out) -> None:
+    import torch.distributed as dist
+    from tokenfab.distributed import group
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=group.COLLECTIVE_TIMEOUT)
+    pg = group.make_group(store, "cpu", rank, size)
+    res = {}
+    for n in sizes:
+        x = torch.ones(n // 4)
+        for _ in range(5):
+            dist.all_reduce(x, group=pg)
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dist.all_reduce(x, group=pg)
+            ts.append(time.perf_counter() - t0)
+        res[n] = statistics.median(ts)
+    if rank == 0:
+        out.put(res)
+
+
+def measure_allreduce(hidden: int, reps: int = 50, size: int = 2) -> dict[int, float]:
+    """Median seconds of one float32 all-reduce per message size in bytes (2 spawned ranks)."""
+    import torch.distributed as dist
+    ctx = torch.multiprocessing.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, size + 1, is_master=True, wait_for_workers=False)
+    sizes = [hidden * 4 * n for n in (1, 4, 16, 64, 256, 512)]
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, size, store.port, sizes, reps, q)) for r in range(size)]
+    # the ranks' group has `size` members; this process only hosts the store
+    for p in procs:
+        p.start()
+    res = q.get(timeout=300)
+    for p in procs:
+        p.join(30)
+    return res
+
+
+def fit_link(res: dict[int, float], tp: int = 2) -> tuple[float, float]:
+    """(latency µs, bandwidth GB/s) of time = lat + 2(t-1)/t x bytes / bw: least squares on the
+    relative error (weights 1/time^2), so the small messages a decode step sends count as much as
+    the big ones."""
+    xs, ys = list(res), list(res.values())
+    w = [1 / y ** 2 for y in ys]
+    sw, sx, sy = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * y for wi, y in zip(w, ys))
+    sxx, sxy = sum(wi * x * x for wi, x in zip(w, xs)), sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    lat = (sy - slope * sx) / sw
+    return max(lat, 0.0) * 1e6, 2 * (tp - 1) / tp / max(slope, 1e-15) / 1e9
+
+
+# -------------------------------------------------------------------------- 2. the engine
+def make_model(folder: str, hidden: int, layers: int, heads: int, kv_heads: int, inter: int) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from tokenfab.model.bundled import bundled_model_path
+    from tokenfab.model.tokenizer import load_tokenizer
+    tok = load_tokenizer(bundled_model_path())
+    cfg = AutoConfig.for_model("llama", vocab_size=len(tok), hidden_size=hidden, intermediate_size=inter,
+                               num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                               max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=True,
+                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+def run_engine(folder: str, tp: int, threads: int, batches: list[int], prompt_len: int, new_tokens: int) -> dict:
+    """Per batch size: greedy tokens, median decode step and rank 0's all-reduce time per decode step
+    (`decode_comm_s`, ranks aligned first) and wait for the other rank (`decode_wait_s`), prefill totals."""
+    from tokenfab import LLM, SamplingParams
+    os.environ["TOKENFAB_TP_MEASURE_WAIT"] = "1"
+    llm = LLM(folder, tensor_parallel_size=tp, num_threads=threads, adaptive_threads=False, max_model_len=prompt_len + new_tokens + 8,
+              num_kv_blocks=max(batches) * (-(-(prompt_len + new_tokens + 8) // 16)) + 8,
+              kernel_autotune=False, enable_prefix_caching=False)
+    eng = llm.engine
+    comm = eng.runner.comm if tp > 1 else None
+    steps: list[tuple] = []     # (prefill?, tokens, seconds, all-reduce seconds, wait seconds)
+    last = [0.0, 0.0]
+
+    def observe(shapes, start, end, busy):
+        c, w = (comm.seconds, comm.wait_seconds) if comm else (0.0, 0.0)
+        steps.append((any(n > 1 for _, n in shapes), sum(n for _, n in shapes), end - start, c - last[0], w - last[1]))
+        last[:] = [c, w]
+    eng.step_observer = observe
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    out = {}
+    llm.generate([list(range(100, 100 + prompt_len))], params, use_tqdm=False)       # warm-up
+    for b in batches:
+        prompts = [[(7 * i + j) % 30000 + 50 for j in range(prompt_len)] for i in range(b)]
+        del steps[:]
+        last[:] = [comm.seconds, comm.wait_seconds] if comm else [0.0, 0.0]
+        toks = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        dec = [s for s in steps if not s[0]]
+        pre = [s for s in steps if s[0]]
+        out[b] = dict(tokens=toks, decode_s=statistics.median(s[2] for s in dec),
+                      decode_comm_s=statistics.median(s[3] for s in dec),
+                      decode_wait_s=statistics.median(s[4] for s in dec),
+                      prefill_s=sum(s[2] for s in pre), prefill_comm_s=sum(s[3] for s in pre),
+                      prefill_tokens=sum(s[1] for s in pre))
+    llm.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=1536)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=24)
+    args = ap.parse_args()
+
+    print(f"gloo all-reduce, 2 ranks, float32 (hidden {args.hidden}):")
+    res = measure_allreduce(args.hidden)
+    lat_us, gb_s = fit_link(res)
+    for n, s in res.items():
+        fit = lat_us * 1e-6 + n / (gb_s * 1e9)      # 2(t-1)/t = 1 at t = 2
+        print(f"  {n // (4 * args.hidden):4d} tokens ({n / 1024:7.1f} KiB): {s * 1e6:8.1f} µs measured, "
+              f"{fit * 1e6:8.1f} µs fitted ({(fit - s) / s:+.0%})")
+    print(f"  fit (the planner's ring formula): interconnect_latency_us {lat_us:.0f}, interconnect_gb_s {gb_s:.2f}")
+
+    folder = tempfile.mkdtemp(prefix="tokenfab-tp-bench-")
+    make_model(folder, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate)
+    cores = os.cpu_count() or 1
+    one_1 = run_engine(folder, 1, 1, args.batch, args.prompt_len, args.new_tokens)
+    one = run_engine(folder, 1, cores, args.batch, args.prompt_len, args.new_tokens) if cores > 1 else one_1
+    two = run_engine(folder, 2, max(1, cores // 2), args.batch, args.prompt_len, args.new_tokens)
+
+    from dataclasses import replace
+    from tokenfab.plan import roofline
+    from tokenfab.plan.hardware import get_hardware, load_catalog
+    from tokenfab.plan.models import resolve_model
+    hw = replace(get_hardware("dev-vm-2core", load_catalog(include_user=False)),
+                 interconnect_gb_s=gb_s, interconnect_latency_us=lat_us)
+    spec = resolve_model(folder)
+    dep = roofline.Deployment.make(spec, hw, weight_dtype="fp32", act_dtype="fp32", tp=2)
+    print(f"\nrandom Llama: hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} KV, "
+          f"MLP {args.intermediate}; prompts of {args.prompt_len} tokens, {args.new_tokens} new; "
+          f"TP=2: {max(1, cores // 2)} thread(s) per rank")
+    print("| batch | TP=1 decode ms (1 thread / {0}) | TP=2 decode ms | TP=2 / TP=1 (1 thread / {0}) "
+          "| all-reduce share | wait share | all-reduce ms/step | planner ms/step | planner error "
+          "| TP=2 / TP=1 prefill (1 thread) |".format(cores))
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for b in args.batch:
+        a1, a, t = one_1[b], one[b], two[b]
+        same = a["tokens"] == t["tokens"] == a1["tokens"]
+        pred = 2 * spec.layers * roofline.allreduce_s(dep, dep.act_dtype.nbytes(b * spec.hidden))
+        meas = t["decode_comm_s"]
+        print(f"| {b} | {a1['decode_s'] * 1e3:.1f} / {a['decode_s'] * 1e3:.1f} | {t['decode_s'] * 1e3:.1f} "
+              f"| {t['decode_s'] / a1['decode_s']:.2f}x / {t['decode_s'] / a['decode_s']:.2f}x | {meas / t['decode_s']:.0%} "
+              f"| {t['decode_wait_s'] / t['decode_s']:.0%} | {meas * 1e3:.2f} | {pred * 1e3:.2f} "
+              f"| {(pred - meas) / meas:+.0%} | {t['prefill_s'] / a1['prefill_s']:.2f}x |"
+              + ("" if same else " (greedy tokens differ!)"))
+    print("all-reduce: rank 0's time in the all-reduces once both ranks are there; wait: rank 0's time "
+          "waiting for the other rank first. Both include the step's Python and pickling skew, not "
+          "just the link.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,10 @@
+"""Tensor parallelism over torch.distributed: one model split across ranks, Megatron-style.
+
+- `shard.py`   which rows and columns of each weight a rank owns, and the all-reduce after the
+               row-parallel linears (o_proj, down_proj);
+- `group.py`   the process group: backend (gloo on CPU, NCCL on CUDA), address and free port;
+- `worker.py`  a worker rank: builds its shard and runs each step's forward as rank 0 sends it;
+- `executor.py` rank 0's side: launches the workers, sends each step, shuts them down.
+
+docs/tensor_parallel.md describes the design and what was measured.
+"""

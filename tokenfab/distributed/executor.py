@@ -1,0 +1,165 @@
+"""Rank 0's side of tensor parallelism: launch the worker ranks, send them each step, shut them down.
+
+    runner = TensorParallelRunner.start(config, model_path, runner, num_blocks, max_positions)
+
+`TensorParallelRunner` is a ModelRunner (same `prepare`, same KV pool for rank 0's heads) whose
+`execute` first sends the step to the workers (worker.py). The workers are `torch.multiprocessing`
+spawn processes (a clean interpreter each: no forked OpenMP or torch state). Shutdown is explicit
+(`close()`: LLM.close, AsyncEngine.stop) and also happens when the engine is garbage-collected or the
+interpreter exits; workers exit on their own when rank 0's process dies. A failure on any rank (a
+worker killed, a forward raising) ends the group: the step raises, every later step raises the same
+RuntimeError, and the workers are stopped; the engine must be recreated.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+
+import torch
+
+from tokenfab.distributed import group
+from tokenfab.distributed.worker import STOP, encode_step, worker_main
+from tokenfab.engine.runner import ModelRunner
+
+log = logging.getLogger("tokenfab.distributed")
+
+LOAD_TIMEOUT_S = float(os.environ.get("TOKENFAB_TP_LOAD_TIMEOUT", "900"))
+
+
+def prepare_rank0(config) -> None:
+    """Before rank 0 builds its shard: clear errors for what tensor parallelism does not combine with
+    yet, the one-call C decode stack off (it has no all-reduce between layers: the layers run one by
+    one, each with the cpu backend's C attention and norms where it applies), and rank 0's threads."""
+    if config.speculative_config is not None:
+        raise ValueError("speculative decoding does not run with tensor_parallel_size > 1 yet; drop one of them")
+    if torch.device(config.device).type == "cuda" and torch.cuda.device_count() < config.tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} needs as many GPUs; "
+                         f"{torch.cuda.device_count()} visible")
+    config.enable_fused_decode = False
+    torch.set_num_threads(threads_per_rank(config))
+
+
+def threads_per_rank(config) -> int:
+    """Each rank's torch threads: num_threads if given, else the cores split evenly between ranks
+    (two ranks each spinning on every core slow each other down)."""
+    return config.num_threads or max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+
+
+class _Workers:
+    """The worker processes and their pipes. Kept apart from the runner so the finalizer that stops
+    them holds no reference to the engine."""
+
+    def __init__(self):
+        self.procs, self.conns = [], []
+        self.store = None       # rank 0's rendezvous store: kept for the group's lifetime
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for c in self.conns:
+            try:
+                c.send(STOP)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:            # still there: terminate, then kill
+            if p.is_alive():
+                p.terminate()
+                p.join(2)
+            if p.is_alive():
+                p.kill()
+                p.join(2)
+        for c in self.conns:
+            c.close()
+        self.procs, self.conns = [], []
+        self.store = None
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's ModelRunner: sends each step to the worker ranks, then runs its own shard."""
+
+    @classmethod
+    def start(cls, config, model_path: str, runner: ModelRunner, num_blocks: int,
+              max_positions: int) -> "TensorParallelRunner":
+        """Launch ranks 1..t-1, wait until each has loaded its shard, then form the process group.
+        Raises RuntimeError naming the rank and its error when a worker cannot load."""
+        self = cls.__new__(cls)
+        self.__dict__.update(runner.__dict__)     # rank 0's model and KV pool, built by the engine
+        self.size = size = config.tensor_parallel_size
+        self.error: str | None = None
+        self.workers = workers = _Workers()
+        self._finalizer = weakref.finalize(self, workers.stop)
+        ctx = torch.multiprocessing.get_context("spawn")
+        threads = threads_per_rank(config)
+        try:
+            for rank in range(1, size):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=worker_main, name=f"tokenfab-tp{rank}", daemon=True,
+                                args=(rank, size, config, model_path, num_blocks, max_positions, threads,
+                                      child, os.getpid()))
+                p.start()
+                child.close()
+                workers.procs.append(p)
+                workers.conns.append(parent)
+            for rank, (p, c) in enumerate(zip(workers.procs, workers.conns), start=1):
+                status = _wait_ready(p, c, rank)
+                if status != "ok":
+                    raise RuntimeError(f"tensor parallelism: {status}")
+            store, addr, port = group.host_store(size)
+            for c in workers.conns:
+                c.send(("init", addr, port))
+            self.model.tp_comm.group = group.make_group(store, config.device, 0, size)
+            workers.store = store
+        except BaseException:
+            workers.stop(timeout=2)
+            raise
+        log.info("tensor parallelism: %d ranks (%s at %s:%d), %d threads each", size,
+                 group.backend_for(config.device), addr, port, threads)
+        return self
+
+    def execute(self, step) -> torch.Tensor:
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        try:
+            msg = encode_step(step)
+            for c in self.workers.conns:
+                c.send(msg)
+            return super().execute(step)
+        except BaseException as e:
+            dead = [p.name for p in self.workers.procs if not p.is_alive()]
+            self.error = (f"tensor-parallel group stopped: {type(e).__name__}: {e}"
+                          + (f" (worker {', '.join(dead)} exited)" if dead else "")
+                          + "; the engine must be recreated")
+            self.model.tp_comm.group = None
+            self.workers.stop(timeout=2)       # a worker may wait in an all-reduce rank 0 never joins
+            self.close()
+            raise RuntimeError(self.error) from e
+
+    def close(self) -> None:
+        """Stop the workers and drop the process group; idempotent."""
+        self._finalizer()
+        self.model.tp_comm.group = None
+
+    @property
+    def comm(self):
+        """Rank 0's process group and all-reduce counters (shard.Comm)."""
+        return self.model.tp_comm
+
+
+def _wait_ready(proc, conn, rank: int) -> str:
+    """The worker's load status ("ok" or its error), or why it never came."""
+    deadline = time.monotonic() + LOAD_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if conn.poll(0.2):
+            try:
+                return conn.recv()
+            except EOFError:
+                break
+        if not proc.is_alive():
+            break
+    if proc.is_alive():
+        return f"rank {rank} did not load within {LOAD_TIMEOUT_S:.0f} s (TOKENFAB_TP_LOAD_TIMEOUT)"
+    return (f"rank {rank} exited with code {proc.exitcode} while loading (a script that creates a tensor-"
+            "parallel LLM must guard it with `if __name__ == \"__main__\":`, as multiprocessing's spawn needs)")

@@ -1,0 +1,54 @@
+"""The tensor-parallel process group: which backend, where the ranks meet, how long they wait.
+
+gloo on CPU (what the tests run: 2 local processes), NCCL on CUDA, where rank r drives cuda:r.
+Each engine makes its own group object (`ProcessGroupGloo` / `ProcessGroupNCCL` over a TCPStore) and
+passes it to every collective; nothing goes through torch.distributed's global default group, so
+several tensor-parallel engines can live in one process and closing one leaves no global state.
+
+Rank 0 hosts the store at MASTER_ADDR:MASTER_PORT when those are set, else on 127.0.0.1 and a port the
+OS picks while binding (so no other process can take it between picking and binding); the workers
+get the address and port from rank 0 and see them as MASTER_ADDR / MASTER_PORT in their environment.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# How long one collective may wait for the other ranks. A dead rank is noticed at once (its sockets
+# close); this bounds the wait on a rank that hangs without dying, so it must exceed the slowest step.
+COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("TOKENFAB_TP_TIMEOUT", "600")))
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: cuda:r on CUDA (one GPU per rank), the CPU otherwise."""
+    return f"cuda:{rank}" if torch.device(device).type == "cuda" else device
+
+
+def host_store(size: int) -> tuple[dist.TCPStore, str, int]:
+    """Rank 0's rendezvous store and where it listens."""
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT") or 0)
+    store = dist.TCPStore(addr, port, size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    return store, addr, store.port
+
+
+def join_store(addr: str, port: int, size: int) -> dist.TCPStore:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    return dist.TCPStore(addr, port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+
+
+def make_group(store: dist.TCPStore, device: str, rank: int, size: int):
+    """This rank's process group; returns once every rank has joined (or raises at the timeout)."""
+    if backend_for(device) == "nccl":       # untested here (no GPU): one device per rank
+        torch.cuda.set_device(rank)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = COLLECTIVE_TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)

@@ -1,0 +1,126 @@
+"""A worker rank (1 .. t-1): build this rank's shard, then run every step rank 0 sends, until told to stop.
+
+Rank 0 owns the scheduler, the block tables and the sampler. Each step it sends the flat batch (token
+ids, positions, slot mapping, decode block tables and context lengths, prefill chunks: `encode_step`)
+down a pipe to every worker, then runs its own forward; the ranks meet in the all-reduces. Workers ask
+for no logits (the LM head runs on rank 0 only). Because every rank gets the same slot mapping and
+block tables, the KV blocks mean the same positions on every rank; each rank's pool holds its KV heads.
+
+A pipe rather than a collective carries the step: an idle server then costs nothing (a collective
+waiting for the next step would time out), and a worker notices at once when rank 0's process is gone
+(the pipe closes), as well as by polling its parent's pid while it loads.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+import torch
+
+
+STOP = "stop"
+
+
+def encode_step(step, with_logits: bool = False) -> tuple:
+    """A StepInput as plain numpy arrays and ints (cheap to pickle; no shared-memory tensors)."""
+    m = step.meta
+    arr = lambda t: None if t is None else t.cpu().numpy()     # noqa: E731
+    prefills = [(p.query_start, p.query_len, p.context_len, arr(p.block_table)) for p in m.prefills]
+    return ("step", arr(step.input_ids), arr(step.positions), arr(m.slot_mapping), m.num_decode_tokens,
+            arr(m.decode_block_tables), arr(m.decode_context_lens), m.decode_max_context, prefills,
+            arr(step.logits_indices) if with_logits else np.zeros(0, dtype=np.int64))
+
+
+def decode_step(msg: tuple, device: str):
+    """The worker's StepInput for a message from encode_step (sampling fields empty: workers don't sample)."""
+    from tokenfab.engine.runner import StepInput
+    from tokenfab.model.attention import AttentionMetadata, PrefillChunk
+
+    _, ids, pos, slots, nd, dbt, dln, dmax, prefills, logits_idx = msg
+    t = lambda a: None if a is None else torch.from_numpy(a).to(device)     # noqa: E731
+    positions = t(pos)
+    meta = AttentionMetadata(slot_mapping=t(slots), num_decode_tokens=nd, decode_block_tables=t(dbt),
+                             decode_context_lens=t(dln), decode_max_context=dmax,
+                             prefills=[PrefillChunk(qs, ql, cl, t(bt)) for qs, ql, cl, bt in prefills],
+                             positions=positions)
+    return StepInput(t(ids), positions, meta, t(logits_idx), [], [])
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the process that started us is gone (killed, crashed): no orphan ranks."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+class _Shard:
+    """What `LLMEngine._choose_kernels` reads: this rank's config, model and dtype (the same kernel
+    choice as rank 0, made by the same code)."""
+
+    def __init__(self, config, model, dtype, kv_bytes_per_token: int):
+        self.config, self.model, self.dtype = config, model, dtype
+        self.kv_bytes_per_token, self.kv_sized_from = kv_bytes_per_token, "rank 0"
+
+
+def worker_main(rank: int, size: int, config, path: str, num_blocks: int, max_positions: int,
+                num_threads: int, conn, parent_pid: int) -> None:
+    """Entry point of a spawned worker rank. Reports "ok" or an error string on `conn` once loaded, then
+    waits for ("init", address, port) to join the group."""
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    # Ctrl-C reaches the whole process group: rank 0 decides when to stop (the server drains its
+    # requests first, which needs the workers), so a worker ignores it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format=f"tokenfab rank {rank}: %(levelname)s %(message)s")
+    torch.set_num_threads(num_threads)
+    from tokenfab.distributed.group import join_store, make_group, rank_device
+    try:
+        from tokenfab.engine.engine import _DTYPES, LLMEngine
+        from tokenfab.engine.runner import ModelRunner
+        from tokenfab.model.attention import kv_bytes_per_token
+        from tokenfab.model.loader import load_model_files
+        from tokenfab.quant.load import build_model
+
+        device = rank_device(config.device, rank)
+        dtype = _DTYPES[config.dtype]
+        kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else dtype
+        files = load_model_files(path)
+        model = build_model(files, dtype, device, config.block_size, max_positions, config.quantization,
+                            tp=(rank, size))
+        per_token = kv_bytes_per_token(model.config, kv_dtype)
+        LLMEngine._choose_kernels(_Shard(config, model, dtype, per_token), kv_dtype,
+                                  num_blocks * config.block_size * per_token)
+        del files
+        runner = ModelRunner(model, num_blocks, config.block_size, kv_dtype, device)
+    except BaseException as e:      # noqa: BLE001 - reported to rank 0, which raises it for the user
+        conn.send(f"rank {rank} failed to load: {type(e).__name__}: {e}")
+        return
+    conn.send("ok")
+    try:
+        msg = conn.recv()
+    except (EOFError, OSError):
+        return
+    if msg[0] != "init":
+        return
+    store = join_store(msg[1], msg[2], size)
+    model.tp_comm.group = make_group(store, config.device, rank, size)
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):    # rank 0 is gone
+                break
+            if msg == STOP:
+                break
+            runner.execute(decode_step(msg, device))
+    except BaseException:       # noqa: BLE001 - a peer died or our forward failed: say so, then exit
+        traceback.print_exc(file=sys.stderr)
+        os._exit(1)
+    finally:
+        conn.close()
