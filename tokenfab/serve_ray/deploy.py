@@ -38,6 +38,7 @@ class PoolSpec:
     memory: int | None = DEFAULT_MEMORY
     max_ongoing_requests: int = 64
     engine: dict = field(default_factory=dict)      # EngineConfig overrides for this pool
+    prefix_affinity: bool = True                    # False: least loaded only (--routing least-loaded)
 
     def deployment_options(self) -> dict:
         actor = {"num_cpus": self.num_cpus}
@@ -82,12 +83,14 @@ def spec_from_args(args) -> ServeSpec:
     memory = getattr(args, "replica_memory", None) or DEFAULT_MEMORY
     if args.replicas is None or args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
-    pools = [PoolSpec(routing.SHORT_POOL, args.replicas, num_cpus=cpus, memory=memory)]
+    affinity = getattr(args, "routing", "prefix-affinity") != "least-loaded"
+    pools = [PoolSpec(routing.SHORT_POOL, args.replicas, num_cpus=cpus, memory=memory, prefix_affinity=affinity)]
     long_replicas = getattr(args, "long_replicas", None) or 0
     if long_replicas < 0:
         raise ValueError(f"--long-replicas must be 0 or more, got {long_replicas}")
     if long_replicas:
-        pools.append(PoolSpec(routing.LONG_POOL, long_replicas, num_cpus=cpus, memory=memory))
+        pools.append(PoolSpec(routing.LONG_POOL, long_replicas, num_cpus=cpus, memory=memory,
+                              prefix_affinity=affinity))
     spec = ServeSpec(pools, getattr(args, "long_prompt_threshold", None), getattr(args, "ray_address", None))
     spec.validate()
     return spec
@@ -164,7 +167,7 @@ def _deployment(pool: PoolSpec, engine: dict, max_waiting: int | None, block_siz
     engine = {"num_threads": max(1, int(pool.num_cpus)), **engine, **pool.engine}
     router = RequestRouterConfig(request_router_class="tokenfab.serve_ray.router.TokenfabRouter", request_routing_stats_period_s=0.5,
                                  request_routing_stats_timeout_s=5.0,
-                                 request_router_kwargs={"pool": pool.name,
+                                 request_router_kwargs={"pool": pool.name, "prefix_affinity": pool.prefix_affinity,
                                                         "block_size": engine.get("block_size", block_size)})
     dep = serve.deployment(EngineReplica, name=DEPLOYMENT).options(
         request_router_config=router, health_check_period_s=2.0, health_check_timeout_s=30.0,
@@ -200,6 +203,17 @@ def start_pools(engine_config, spec: ServeSpec, max_waiting_requests: int | None
         if name != routing.SHORT_POOL:
             h.describe.remote().result()
     return ReplicaPoolEngine(handles, desc, spec.long_prompt_threshold)
+
+
+def ingress_app(pool_engine, server_config):
+    """The server's FastAPI app (server/app.py's build_app, the same routes) on the pools, with the
+    per-replica series and routing decisions added to its /metrics."""
+    from tokenfab.serve_ray.metrics import ReplicaCollector
+    from tokenfab.server.app import build_app
+    app = build_app(pool_engine, server_config)
+    state = app.state.tokenfab
+    state.metrics.registry.register(ReplicaCollector(pool_engine, state.model_name))
+    return app
 
 
 def stop_pools(spec: ServeSpec) -> None:

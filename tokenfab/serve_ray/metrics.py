@@ -53,3 +53,7 @@ class ReplicaCollector:
         for (pool, reason, rid), n in sorted(routing.DECISIONS.snapshot().items()):
             c.add_metric([self.model_name, pool, reason, rid], float(n))
         yield c
+        c = CounterMetricFamily(PREFIX + "router_retries", "Requests re-sent to another replica because theirs "
+                                "failed before their first output.", labels=["model_name"])
+        c.add_metric([self.model_name], float(self.pool_engine.retries))
+        yield c

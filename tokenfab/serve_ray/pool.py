@@ -90,6 +90,7 @@ class ReplicaPoolEngine(AsyncEngine):
         self.accept_timeout_s = accept_timeout_s
         self._tasks: dict[str, asyncio.Task] = {}
         self._started = False
+        self.retries = 0                      # requests re-sent after their replica failed (/metrics)
         super().__init__(EngineView(desc, self._aggregate))
 
     # -- what the replicas report (from the routers, router.py) ---------------------------------------
@@ -215,6 +216,7 @@ class ReplicaPoolEngine(AsyncEngine):
                     log.warning("request %s: replica %s failed before its first output (%s); retrying on "
                                 "another replica (attempt %d)", stream.request_id, replica, type(e).__name__,
                                 attempt + 1)
+                    self.retries += 1
                     await asyncio.sleep(0.2 * attempt)
                     continue
                 error = _as_engine_error(e, replica, delivered)

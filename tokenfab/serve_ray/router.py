@@ -25,11 +25,12 @@ from tokenfab.serve_ray import routing
 
 class TokenfabRouter(RequestRouter):
     def initialize_state(self, pool: str = routing.SHORT_POOL, block_size: int = 16, load_slack: float = 0.25,
-                         prefix_blocks: int = 4, **_) -> None:
+                         prefix_blocks: int = 4, prefix_affinity: bool = True, **_) -> None:
         self.pool = pool
         self.block_size = block_size
         self.load_slack = load_slack
         self.prefix_blocks = prefix_blocks
+        self.prefix_affinity = prefix_affinity       # off: every request least loaded (benchmarks compare)
         self.in_flight: Counter[ReplicaID] = Counter()
         self._routed_to: dict[str, ReplicaID] = {}
         self._reasons: dict[str, str] = {}
@@ -48,7 +49,7 @@ class TokenfabRouter(RequestRouter):
         if not candidate_replicas:
             return []
         ids = (pending_request.kwargs.get("prompt_ids") if pending_request is not None else None) or []
-        key = routing.prefix_key(ids, self.block_size, self.prefix_blocks)
+        key = routing.prefix_key(ids, self.block_size, self.prefix_blocks) if self.prefix_affinity else None
         order, reason = routing.rank(self.loads(candidate_replicas), key, self.load_slack)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if pending_request is not None and pending_request.metadata.call_method == "generate":

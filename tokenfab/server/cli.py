@@ -80,6 +80,9 @@ def add_parser(subparsers) -> None:
                    help="CPUs each replica declares to Ray; its engine runs that many threads (default: 1)")
     r.add_argument("--replica-memory", type=parse_size, default=None, metavar="SIZE",
                    help="memory each replica declares to Ray, e.g. 4GiB (default: 2GiB)")
+    r.add_argument("--routing", choices=("prefix-affinity", "least-loaded"), default="prefix-affinity",
+                   help="how a pool picks a replica: the prompt's first KV blocks' preferred replica (under a load "
+                        "bound), else the least loaded; or always the least loaded (default: prefix-affinity)")
     r.add_argument("--config", default=None, metavar="FILE.yaml",
                    help="run the pools a Ray Serve config describes (e.g. from `tokenfab plan capacity "
                         "--emit serve-config`) instead of --replicas")
@@ -141,12 +144,13 @@ def serve_command(args: argparse.Namespace) -> int:
     else:
         engine = _load_engine(engine_config)
         engine.step_observer = step_log
-    from tokenfab.server.app import build_app
-    app = build_app(engine, server_config)
-    state = app.state.tokenfab
     if spec is not None:
-        from tokenfab.serve_ray.metrics import ReplicaCollector
-        state.metrics.registry.register(ReplicaCollector(engine, state.model_name))
+        from tokenfab.serve_ray.deploy import ingress_app
+        app = ingress_app(engine, server_config)
+    else:
+        from tokenfab.server.app import build_app
+        app = build_app(engine, server_config)
+    state = app.state.tokenfab
 
     def ready(url: str) -> None:
         env = API_KEY_ENV if server_config.api_keys else None
