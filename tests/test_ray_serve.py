@@ -23,7 +23,8 @@ ray = pytest.importorskip("ray", reason="Ray Serve is the optional extra tokenfa
 from tokenfab.serve_ray import routing  # noqa: E402
 
 LONG = 200                   # long-pool threshold, in prompt tokens
-ENGINE = dict(num_kv_blocks=96, max_model_len=1024, max_num_seqs=4)
+# float32 weights, as the session's bundled_llm (the single-process reference, shared with other files)
+ENGINE = dict(num_kv_blocks=96, max_model_len=1024, max_num_seqs=4, quantization="none")
 
 
 def _slow_tests_selected(config) -> bool:
@@ -121,7 +122,7 @@ def test_emitted_serve_config_loads(tmp_path):
     from tokenfab.cli import main
     from tokenfab.serve_ray.deploy import spec_from_config
     path = tmp_path / "serve.yaml"
-    assert main(["plan", "capacity", "--hardware", "rtx-3090", "--rate", "20", "--num-requests", "200",
+    assert main(["plan", "capacity", "--hardware", "rtx-3090", "--rate", "20", "--num-requests", "100",
                  "--emit", "serve-config", str(path)]) == 0
     spec = spec_from_config(str(path))           # validated by Ray's own ServeDeploySchema on the way
     (pool,) = spec.pools
@@ -133,9 +134,9 @@ def test_emitted_serve_config_loads(tmp_path):
 
 
 # -- on the cluster ---------------------------------------------------------------------------------
-def test_openai_client_through_the_ingress_matches_one_engine(cluster, bundled_files):
+def test_openai_client_through_the_ingress_matches_one_engine(cluster, bundled_llm):
     from openai import OpenAI
-    from tokenfab import LLM, SamplingParams
+    from tokenfab import SamplingParams
     client = OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     prompts = ["The capital of France is", "List three colors:"]
     got = [client.completions.create(model=cluster.model, prompt=p, max_tokens=16, temperature=0).choices[0].text
@@ -144,7 +145,7 @@ def test_openai_client_through_the_ingress_matches_one_engine(cluster, bundled_f
         model=cluster.model, prompt=prompts[0], max_tokens=16, temperature=0, stream=True))
     chat = client.chat.completions.create(model=cluster.model, messages=[{"role": "user", "content": "Hi!"}],
                                           max_tokens=12, temperature=0)
-    llm = LLM(**ENGINE, loaded=bundled_files)
+    llm = bundled_llm
     want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0),
                                                     use_tqdm=False)]
     want_chat = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=12, temperature=0),
