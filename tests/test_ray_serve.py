@@ -39,7 +39,8 @@ def cluster(request):
     from tokenfab.serve_ray.deploy import PoolSpec, ServeSpec, ingress_app, start_pools, stop_pools
 
     try:
-        ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+        ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+                 object_store_memory=256 << 20)
     except Exception as e:                      # no /dev/shm, no ports, a sandbox: say so, don't fail
         pytest.skip(f"a local Ray cluster cannot start here: {type(e).__name__}: {e}")
     pools = [PoolSpec(routing.SHORT_POOL, 2, num_cpus=1, memory=1 << 30)]
@@ -131,6 +132,30 @@ def test_emitted_serve_config_loads(tmp_path):
     assert auto["max_replicas"] >= 1 and auto["target_ongoing_requests"] >= 1
     assert main(["plan", "capacity", "--hardware", "rtx-3090", "--rate", "20", "--num-requests", "50",
                  "--emit", "k8s", str(path)]) == 2
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--long-replicas", "1"], "need --replicas"),
+    (["--replicas", "0"], "at least 1"),
+    (["--replicas", "1", "--long-replicas", "1"], "--long-prompt-threshold"),
+    (["--config", "/nonexistent/serve.yaml"], "No such file"),
+    (["--replicas", "1", "--slo-ttft-ms", "500"], "not available with --replicas"),
+])
+def test_replica_flags_misused_get_a_message_not_a_cluster(argv, says, capsys):
+    from tokenfab.cli import main
+    assert main(["serve", "--port", "0", *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_config_that_is_not_ray_serve_is_refused(tmp_path):
+    from tokenfab.serve_ray.deploy import spec_from_config
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("applications:\n- name: x\n  import_path: other.module:app\n")
+    with pytest.raises(ValueError, match="tokenfab runs only"):
+        spec_from_config(str(bad))
+    bad.write_text("applications: 3\n")
+    with pytest.raises(ValueError, match="not a valid Ray Serve config"):
+        spec_from_config(str(bad))
 
 
 # -- on the cluster ---------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ log = logging.getLogger("tokenfab.serve_ray")
 IMPORT_PATH = "tokenfab.serve_ray.deploy:pool_app"
 DEPLOYMENT = "EngineReplica"
 DEFAULT_MEMORY = 2 << 30          # declared per replica: the bundled model and its KV pool fit with room
+LOCAL_OBJECT_STORE = 256 << 20    # a local cluster's shared-memory store: only small request/output objects
 
 
 @dataclass
@@ -190,7 +191,8 @@ def start_pools(engine_config, spec: ServeSpec, max_waiting_requests: int | None
             if need > (os.cpu_count() or 1):
                 log.warning("the replicas declare %g CPUs but this machine has %d: they will share cores",
                             need, os.cpu_count())
-            ray.init(num_cpus=cpus, include_dashboard=False, ignore_reinit_error=True)
+            ray.init(num_cpus=cpus, include_dashboard=False, ignore_reinit_error=True,
+                     object_store_memory=LOCAL_OBJECT_STORE)
     serve.start(proxy_location="Disabled")
     engine = {k: v for k, v in dataclasses.asdict(engine_config).items()}
     handles = {}
@@ -241,6 +243,8 @@ def start_from_args(args, engine_config, server_config):
         from ray import serve  # noqa: F401
     except ImportError:
         raise ValueError("--replicas and --config need Ray Serve: pip install 'tokenfab[ray]'") from None
+    if args.config and (args.replicas is not None or args.long_replicas):
+        raise ValueError("give either --config FILE or --replicas/--long-replicas, not both: the file says the pools")
     spec = spec_from_config(args.config, args.ray_address) if args.config else spec_from_args(args)
     if args.config:
         main = next(p for p in spec.pools if p.name == routing.SHORT_POOL)

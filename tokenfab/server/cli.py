@@ -135,6 +135,8 @@ def serve_command(args: argparse.Namespace) -> int:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                     server_config.host)
 
+    if args.replicas is None and not args.config and (args.long_replicas or args.ray_address):
+        raise ValueError("--long-replicas and --ray-address need --replicas N (or --config FILE)")
     from tokenfab.server.launch import bind_socket, curl_example, make_server
     sock = bind_socket(server_config.host, server_config.port)   # fail fast, before the model loads
     spec = None
