@@ -52,6 +52,12 @@ def cluster(request):
         app = ingress_app(engine, ServerConfig(ui=False, access_log=False))
         with ServerThread(app) as server:
             yield SimpleNamespace(url=server.url, engine=engine, model=app.state.tokenfab.model_name)
+
+            def idle() -> bool:                 # every request finished or aborted: no replica holds a block
+                reps = [s for pool in engine.replica_stats().values() for s in pool.values()]
+                return reps and all(s.get("num_running") == 0 and s.get("num_waiting") == 0
+                                    and s.get("kv_cache_usage") == 0 for s in reps)
+            _wait(idle, 30, "every replica to hold no request and no KV block")
     finally:
         stop_pools(spec)
 
