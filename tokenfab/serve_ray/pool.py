@@ -4,9 +4,9 @@ place of a local AsyncEngine. It is an AsyncEngine whose worker is the replica p
 - `add_request` picks the pool by prompt length, calls the pool's streaming DeploymentHandle (whose
   router, router.py, picks the replica), and returns once a replica has accepted the request, with
   the same RequestStream and listener calls (metrics) as a local engine.
-- A replica that dies (killed process, crashed engine loop) before the request's first output is
-  *retried* on another replica: nothing had reached the client, and outputs are cumulative, so the
-  retry is invisible. After a first output it is not retried: the stream ends with RequestFailed,
+- A replica that dies (killed process, crashed engine loop) before the request's first token is
+  *retried* on another replica: no token had reached the client, and outputs are cumulative, so the
+  retry is invisible. After a first token it is not retried: the stream ends with RequestFailed,
   which the routes turn into an error event (streaming) or a 500 (non-streaming). Never a hang.
 - `stats()` sums the replicas' last reported stats; `replica_stats()` keeps them apart (/metrics'
   `replica` label); `pools()` says how many replicas each pool has (/health: degraded when one is empty).
@@ -80,13 +80,13 @@ def _is_replica_failure(e: BaseException) -> bool:
 
 
 class ReplicaPoolEngine(AsyncEngine):
-    def __init__(self, handles: dict, desc: dict, long_threshold: int | None = None, max_attempts: int = 4,
+    def __init__(self, handles: dict, desc: dict, long_threshold: int | None = None,
                  accept_timeout_s: float = 120.0) -> None:
         """handles: pool name -> DeploymentHandle of EngineReplica (routing.SHORT_POOL, optionally LONG_POOL).
-        accept_timeout_s: how long a request may wait for a pool with no running replica before a 503."""
+        accept_timeout_s: how long a request may wait for a pool with no running replica before a 503, and
+        how long a request whose replicas keep failing before its first token is retried."""
         self.handles = handles
         self.long_threshold = long_threshold
-        self.max_attempts = max_attempts
         self.accept_timeout_s = accept_timeout_s
         self._tasks: dict[str, asyncio.Task] = {}
         self._started = False
@@ -189,9 +189,12 @@ class ReplicaPoolEngine(AsyncEngine):
     # -- one request's life on the replicas -----------------------------------------------------------
     async def _pump(self, stream: RequestStream, pool: str, ids: list[int], params: SamplingParams,
                     priority: int, arrival_time: float, service_class: str, accepted: asyncio.Future) -> None:
-        delivered = False
+        started = False                       # a token reached the stream: from then on, no retry
         replica = None
-        for attempt in range(1, self.max_attempts + 1):
+        deadline = time.monotonic() + self.accept_timeout_s
+        attempt = 0
+        while True:
+            attempt += 1
             gen = self.handles[pool].options(stream=True).generate.remote(
                 request_id=stream.request_id, prompt_ids=ids, params=params, priority=priority,
                 arrival_time=arrival_time, service_class=service_class)
@@ -202,7 +205,7 @@ class ReplicaPoolEngine(AsyncEngine):
                         if not accepted.done():
                             accepted.set_result(item[1])
                         continue
-                    delivered = True
+                    started = started or any(o.token_ids for o in item.outputs)
                     self._deliver([item], time.monotonic())
                     if item.finished:
                         return
@@ -212,14 +215,17 @@ class ReplicaPoolEngine(AsyncEngine):
                 gen.cancel()
                 raise
             except Exception as e:
-                if _is_replica_failure(e) and not delivered and attempt < self.max_attempts:
-                    log.warning("request %s: replica %s failed before its first output (%s); retrying on "
-                                "another replica (attempt %d)", stream.request_id, replica, type(e).__name__,
-                                attempt + 1)
+                # Ray drops a dead replica from the router's set within moments, so a retry finds a live one
+                # (or waits for Ray's replacement when the pool is empty), until the deadline.
+                if _is_replica_failure(e) and not started and time.monotonic() < deadline:
+                    log.warning("request %s: replica %s failed before its first token (%s); retrying on "
+                                "another replica (attempt %d)", stream.request_id, replica or "(not yet accepted)",
+                                type(e).__name__, attempt + 1)
                     self.retries += 1
-                    await asyncio.sleep(0.2 * attempt)
+                    replica = None
+                    await asyncio.sleep(min(1.0, 0.1 * attempt))
                     continue
-                error = _as_engine_error(e, replica, delivered)
+                error = _as_engine_error(e, replica, started)
                 break
         if not accepted.done():
             accepted.set_exception(error)
@@ -228,7 +234,7 @@ class ReplicaPoolEngine(AsyncEngine):
             self._fail(stream, error, abort=False)
 
 
-def _as_engine_error(e: BaseException, replica: str | None, delivered: bool) -> BaseException:
+def _as_engine_error(e: BaseException, replica: str | None, started: bool) -> BaseException:
     """The replica's exception as the server knows them: ValueError (400), QueueFullError (429),
     EngineDeadError (503), RequestFailed (500)."""
     for cls in (ValueError, QueueFullError, RequestFailed):
@@ -237,9 +243,9 @@ def _as_engine_error(e: BaseException, replica: str | None, delivered: bool) -> 
             return cls(str(cause if cause is not None else e))
     if _is_replica_failure(e):
         where = f"replica {replica}" if replica else "the replica"
-        if delivered:
+        if started:
             return RequestFailed(f"{where} failed while streaming this request ({type(e).__name__}); "
                                  "the output so far is incomplete, retry the request")
-        return EngineDeadError(f"{where} failed before starting this request and retries ran out "
-                               f"({type(e).__name__})")
+        return EngineDeadError(f"{where} failed before starting this request, and retrying found no live "
+                               f"replica in time ({type(e).__name__}); see /health")
     return RequestFailed(f"the replica failed on this request ({type(e).__name__}: {e})")
