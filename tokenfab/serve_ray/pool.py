@@ -4,9 +4,9 @@ place of a local AsyncEngine. It is an AsyncEngine whose worker is the replica p
 - `add_request` picks the pool by prompt length, calls the pool's streaming DeploymentHandle (whose
   router, router.py, picks the replica), and returns once a replica has accepted the request, with
   the same RequestStream and listener calls (metrics) as a local engine.
-- A replica that dies (killed process, crashed engine loop) before the request's first token is
-  *retried* on another replica: no token had reached the client, and outputs are cumulative, so the
-  retry is invisible. After a first token it is not retried: the stream ends with RequestFailed,
+- A replica that dies (killed process, crashed engine loop) before the request's first text is
+  *retried* on another replica: the routes send a chunk only once there is text, so nothing had
+  reached the client, and outputs are cumulative, so the retry is invisible. After that it is not retried: the stream ends with RequestFailed,
   which the routes turn into an error event (streaming) or a 500 (non-streaming). Never a hang.
 - `stats()` sums the replicas' last reported stats; `replica_stats()` keeps them apart (/metrics'
   `replica` label); `pools()` says how many replicas each pool has (/health: degraded when one is empty).
@@ -189,7 +189,7 @@ class ReplicaPoolEngine(AsyncEngine):
     # -- one request's life on the replicas -----------------------------------------------------------
     async def _pump(self, stream: RequestStream, pool: str, ids: list[int], params: SamplingParams,
                     priority: int, arrival_time: float, service_class: str, accepted: asyncio.Future) -> None:
-        started = False                       # a token reached the stream: from then on, no retry
+        started = False                       # text reached the stream (the routes send nothing before): no retry
         replica = None
         deadline = time.monotonic() + self.accept_timeout_s
         attempt = 0
@@ -205,7 +205,7 @@ class ReplicaPoolEngine(AsyncEngine):
                         if not accepted.done():
                             accepted.set_result(item[1])
                         continue
-                    started = started or any(o.token_ids for o in item.outputs)
+                    started = started or any(o.text for o in item.outputs)
                     self._deliver([item], time.monotonic())
                     if item.finished:
                         return
@@ -218,7 +218,7 @@ class ReplicaPoolEngine(AsyncEngine):
                 # Ray drops a dead replica from the router's set within moments, so a retry finds a live one
                 # (or waits for Ray's replacement when the pool is empty), until the deadline.
                 if _is_replica_failure(e) and not started and time.monotonic() < deadline:
-                    log.warning("request %s: replica %s failed before its first token (%s); retrying on "
+                    log.warning("request %s: replica %s failed before its first text (%s); retrying on "
                                 "another replica (attempt %d)", stream.request_id, replica or "(not yet accepted)",
                                 type(e).__name__, attempt + 1)
                     self.retries += 1
