@@ -122,6 +122,9 @@ def add_parser(subparsers) -> None:
                                                         "to use instead of the roofline")
     s.add_argument("--no-step-noise", action="store_true",
                    help="cost every step at the table's fit, without its measured scatter")
+    s.add_argument("--emit", nargs=2, metavar=("serve-config", "FILE"),
+                   help="also write the answer as a Ray Serve config (autoscaling from the SLO and the step "
+                        "costs) that `tokenfab serve --config FILE` runs (docs/scale_out.md)")
     s.set_defaults(func=_handler("capacity"))
 
     s = subs.add_parser("validate", parents=[o], help="the simulator's error against a measured bench run")

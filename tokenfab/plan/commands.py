@@ -246,6 +246,9 @@ def run_capacity(args) -> dict:
             out["cost"] = {"unavailable": str(e)}
         if args.offline_share > 0:
             out["separate_pools"] = _separate_pools(cost, sched, traffic, slo, args.max_replicas, res.replicas)
+    if getattr(args, "emit", None):
+        from tokenfab.plan import serve_config
+        out["emitted"] = serve_config.write(args.emit[0], args.emit[1], out)
     return out
 
 

@@ -150,6 +150,8 @@ def capacity(r: dict) -> None:
     if sp := r.get("separate_pools"):
         console.print(f"separate pools would need {sp['online_replicas']} online + {sp['offline_replicas']} offline = "
                       f"{sp['total']} replicas; combined: {sp['combined']}")
+    if r.get("emitted"):
+        console.print(f"Ray Serve config written to {r['emitted']}: run it with `tokenfab serve --config {r['emitted']}`")
 
 
 def models(r: dict) -> None:

@@ -124,6 +124,10 @@ def _add_small_routes(app: FastAPI, st: ServerState) -> None:
             return APIError(503, f"unhealthy: {reason}", code="engine_dead").response()
         if st.draining:
             return APIError(503, "shutting down", code="shutting_down").response()
+        degraded = getattr(st.async_engine, "degraded", None)     # replica pools (serve_ray/pool.py)
+        reason = degraded() if degraded is not None else None
+        if reason is not None:
+            return JSONResponse({"status": "degraded", "reason": reason})
         return JSONResponse({"status": "ok"})
 
     @_get_and_head(app, "/version")

@@ -66,6 +66,26 @@ def add_parser(subparsers) -> None:
                    help="all stored files together, e.g. 10GiB (default: 10GiB)")
     b.add_argument("--batch-concurrency", type=int, default=None, metavar="N",
                    help="batch lines in the engine at once (default: --max-num-seqs)")
+    r = p.add_argument_group("replicas on Ray Serve (pip install 'tokenfab[ray]'; docs/scale_out.md)")
+    r.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="run N engine replicas as Ray Serve deployment replicas behind this server (default: one "
+                        "engine in this process; Ray is not used)")
+    r.add_argument("--long-replicas", type=int, default=0, metavar="M",
+                   help="with --replicas: M more replicas that take only prompts of at least "
+                        "--long-prompt-threshold tokens (default: 0, no long pool)")
+    r.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (e.g. HEAD_IP:6379, started with `ray start --head`) "
+                        "(default: start a local one)")
+    r.add_argument("--replica-cpus", type=float, default=1.0, metavar="N",
+                   help="CPUs each replica declares to Ray; its engine runs that many threads (default: 1)")
+    r.add_argument("--replica-memory", type=parse_size, default=None, metavar="SIZE",
+                   help="memory each replica declares to Ray, e.g. 4GiB (default: 2GiB)")
+    r.add_argument("--routing", choices=("prefix-affinity", "least-loaded"), default="prefix-affinity",
+                   help="how a pool picks a replica: the prompt's first KV blocks' preferred replica (under a load "
+                        "bound), else the least loaded; or always the least loaded (default: prefix-affinity)")
+    r.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="run the pools a Ray Serve config describes (e.g. from `tokenfab plan capacity "
+                        "--emit serve-config`) instead of --replicas")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="log level (default: info)")
     p.set_defaults(func=serve_command)
@@ -115,13 +135,23 @@ def serve_command(args: argparse.Namespace) -> int:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                     server_config.host)
 
+    if args.replicas is None and not args.config and (args.long_replicas or args.ray_address):
+        raise ValueError("--long-replicas and --ray-address need --replicas N (or --config FILE)")
     from tokenfab.server.launch import bind_socket, curl_example, make_server
     sock = bind_socket(server_config.host, server_config.port)   # fail fast, before the model loads
-    engine = _load_engine(engine_config)
-
-    engine.step_observer = step_log
-    from tokenfab.server.app import build_app
-    app = build_app(engine, server_config)
+    spec = None
+    if args.replicas is not None or args.config:      # only then is Ray imported (docs/scale_out.md)
+        from tokenfab.serve_ray.deploy import start_from_args
+        engine, spec = start_from_args(args, engine_config, server_config)
+    else:
+        engine = _load_engine(engine_config)
+        engine.step_observer = step_log
+    if spec is not None:
+        from tokenfab.serve_ray.deploy import ingress_app
+        app = ingress_app(engine, server_config)
+    else:
+        from tokenfab.server.app import build_app
+        app = build_app(engine, server_config)
     state = app.state.tokenfab
 
     def ready(url: str) -> None:
@@ -138,6 +168,9 @@ def serve_command(args: argparse.Namespace) -> int:
     finally:
         if step_log is not None:
             step_log.close()
+        if spec is not None:
+            from tokenfab.serve_ray.deploy import stop_pools
+            stop_pools(spec)
     return 0
 
 
