@@ -351,3 +351,32 @@ def test_server_metrics_and_bench_scrape_report_acceptance(copy_llms):
     assert acc is not None and 0 < acc["acceptance_rate"] <= 1 and acc["mean_accepted_length"] > 1
     assert acc["acceptance_rate_per_pos"][0] >= acc["acceptance_rate_per_pos"][-1]
     assert spec.engine.block_manager.num_used_blocks() == 0
+
+
+def test_http_speculative_field_opts_a_request_out_and_rejects_non_bool(copy_llms):
+    """`speculative` (vLLM-style extra field) on /v1/completions and /v1/chat/completions maps to
+    SamplingParams(speculative=...): false never drafts, the default does, a string is a 400."""
+    import httpx
+
+    from tokenfab.server.app import build_app
+    from tokenfab.server.config import ServerConfig
+    from tokenfab.server.launch import ServerThread
+
+    spec = copy_llms[1]
+    with ServerThread(build_app(spec.engine, ServerConfig(access_log=False))) as srv:
+        model = httpx.get(srv.url + "/v1/models", timeout=60).json()["data"][0]["id"]
+        base = {"model": model, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        routes = [("/v1/completions", {**base, "prompt": COPY}),
+                  ("/v1/chat/completions", {**base, "messages": [{"role": "user", "content": COPY}]})]
+        for path, body in routes:
+            before = spec.engine.stats().spec_decode_num_drafts
+            r = httpx.post(srv.url + path, json={**body, "speculative": False}, timeout=300)
+            assert r.status_code == 200, r.text
+            assert spec.engine.stats().spec_decode_num_drafts == before, path
+        before = spec.engine.stats().spec_decode_num_drafts
+        r = httpx.post(srv.url + "/v1/completions", json=routes[0][1], timeout=300)
+        assert r.status_code == 200, r.text
+        assert spec.engine.stats().spec_decode_num_drafts > before
+        r = httpx.post(srv.url + "/v1/completions", json={**routes[0][1], "speculative": "no"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "speculative", r.text
+    assert spec.engine.block_manager.num_used_blocks() == 0
