@@ -37,7 +37,9 @@ class SpecStats:
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, vocab_size: int, model=None, runner=None,
-                 block_manager=None) -> None:
+                 block_manager=None, draft=None) -> None:
+        """`draft`: (draft model, its ModelRunner) for method "draft" (the engine builds them: it sizes
+        the KV pools)."""
         self.config = config
         self.k_max = config.num_speculative_tokens
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
@@ -45,6 +47,9 @@ class SpecDecoder:
             from tokenfab.engine.spec.layerskip import LayerSkipProposer
             layers = config.num_layers or model.config.num_layers // 2
             self.proposer = LayerSkipProposer(model, runner, block_manager, layers, vocab_size)
+        elif config.method == "draft":
+            from tokenfab.engine.spec.draft import DraftModelProposer
+            self.proposer = DraftModelProposer(draft[0], draft[1], block_manager, vocab_size)
         else:
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.policy = AdaptivePolicy(self.k_max, config.max_batch_size, config.adaptive)
@@ -148,8 +153,7 @@ class SpecDecoder:
         self.policy.observe(seq.spec_state, num_drafts, num_accepted, self.step_index)
 
     # -- 3. commit ---------------------------------------------------------------------------------
-    @staticmethod
-    def commit(seq, tokens: list[SampledToken], append, block_manager) -> None:
+    def commit(self, seq, tokens: list[SampledToken], append, block_manager) -> None:
         """Append `tokens` (accepted drafts, then the target's own) one at a time, stopping at the first
         finish. Before this, `seq.num_computed_tokens` counts the context up to the drafts."""
         had_drafts = bool(seq.spec_tokens)
@@ -160,6 +164,8 @@ class SpecDecoder:
                 return
             if j < len(tokens) - 1:          # an accepted draft: its K/V were computed in this step
                 seq.num_computed_tokens += 1
+        if self.config.method == "draft":
+            self.proposer.observe(seq)
         if had_drafts:
             block_manager.cache_full_blocks(seq)
             block_manager.trim(seq, seq.num_tokens)

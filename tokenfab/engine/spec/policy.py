@@ -32,6 +32,8 @@ class SeqSpecState:
     rounds: int = 0
     paused_until: int = 0        # engine step before which this sequence does not propose
     backoff: int = BACKOFF_MIN
+    draft_computed: int = 0      # draft method: tokens whose K/V the draft model holds (draft.py)
+    draft_epoch: int = 0         # ... as of this many preemptions of the sequence
 
 
 class AdaptivePolicy:
