@@ -13,7 +13,10 @@ NEW = 64
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "max_batch_size": 64}
 LAYERSKIP = {"method": "layerskip", "num_speculative_tokens": 3, "num_layers": 20, "max_batch_size": 64}
-METHODS = pytest.mark.parametrize("method", [NGRAM, LAYERSKIP], ids=["ngram", "layerskip"])
+# The bundled model drafting for itself: a real GGUF draft, its own KV pool, acceptance near 1.
+DRAFT = {"method": "draft", "model": None, "num_speculative_tokens": 4, "max_batch_size": 64}
+METHODS = pytest.mark.parametrize("method", [pytest.param(NGRAM, id="ngram"), pytest.param(LAYERSKIP, id="layerskip"),
+                                             pytest.param(DRAFT, id="draft", marks=pytest.mark.slow)])
 PASSAGES = [
     "The cache holds blocks of sixteen tokens each, and the scheduler admits requests while the budget allows.",
     "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n",
@@ -52,7 +55,10 @@ def tokens(outs) -> list[list[int]]:
 def spec_llm(files, **kw) -> LLM:
     kw.setdefault("max_model_len", 1024)
     kw.setdefault("num_kv_blocks", 1024)
-    return LLM(loaded=files, quantization="none", speculative_config=kw.pop("spec", NGRAM), **kw)
+    spec = kw.pop("spec", NGRAM)
+    if spec["method"] == "draft" and spec["model"] is None:
+        spec = {**spec, "model": files.path}
+    return LLM(loaded=files, quantization="none", speculative_config=spec, **kw)
 
 
 @pytest.fixture(scope="module")
