@@ -95,6 +95,7 @@ def main() -> None:
     plain.engine.step_observer = spec.engine.step_observer = see
 
     results = []
+    order = [1]
     for workload, prompts in (("copy-heavy", COPY), ("open-ended", CHAT)):
         convs = [[{"role": "user", "content": p}] for p in prompts]
         for streams in ((args.streams,) if args.batch_only else (1, args.streams)):
@@ -107,7 +108,9 @@ def main() -> None:
                 else:                        # `streams` requests at once, cycling through the prompts
                     groups = [[convs[i % len(convs)] for i in range(streams)]]
                 for g in groups:
-                    for name, llm, p in (("plain", plain, plain_params), ("spec", spec, params)):
+                    order[0] ^= 1                    # alternate who goes first: load drifts over time
+                    pair = (("plain", plain, plain_params), ("spec", spec, params))
+                    for name, llm, p in pair[::-1] if order[0] else pair:
                         running[0] = name
                         dt, toks = timed(llm, g, p)
                         t[name] += dt
