@@ -19,7 +19,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4       # k: the most draft tokens per sequence and step
     prompt_lookup_max: int = 4            # ngram: the longest suffix matched against the context
     prompt_lookup_min: int = 2            # ngram: the shortest
-    num_layers: int | None = None         # layerskip: the target's first L layers draft; None: 26 of 30 (measured)
+    num_layers: int | None = None         # layerskip: the target's first L layers draft; None: 0.8 of them (24 of 30; docs/speculative.md)
     model: str | None = None              # draft: the draft model (GGUF file or HF folder), same vocabulary
     # Adaptive policy (docs/speculative.md). The batch switch: no speculation in a step whose
     # running decodes exceed this. Measured (benchmarks/speculative.py, 1 thread): at 8 streams a
