@@ -73,8 +73,10 @@ def main() -> None:
 
     spec_cfg = json.loads(args.spec) if args.spec else {"method": "ngram", "num_speculative_tokens": args.k}
     files = load_model_files(None)
+    # No prefix caching: both sides run the same prompts, and with one engine the second side's prompts
+    # would be cache hits (a free prefill) that the first side paid for.
     common = dict(loaded=files, quantization=args.quantization, max_model_len=2048, num_kv_blocks=1024,
-                  num_threads=args.num_threads)
+                  num_threads=args.num_threads, enable_prefix_caching=False)
     spec = LLM(speculative_config=spec_cfg, **common)
     plain = LLM(**common) if args.baseline == "engine" else spec
     params = SamplingParams(max_tokens=args.tokens, temperature=0)
