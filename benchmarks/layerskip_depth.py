@@ -3,7 +3,8 @@
 For each L, greedy generation over copy-heavy and open-ended chat prompts with k fixed (no adaptive
 policy), and the acceptance rate (accepted / drafted tokens) read from the engine's counters. The
 cost of a draft token is about L / num_layers of a plain decode step, so layerskip pays only where
-acceptance x (1 - L / num_layers) is large.
+acceptance x (1 - L / num_layers) is large. Each L row also prints the same prompts decoded plainly
+(SamplingParams(speculative=False), same engine, right after), and the ratio.
 
     python benchmarks/layerskip_depth.py --layers 6,12,18,24 --tokens 48
 """
@@ -33,6 +34,7 @@ def main() -> None:
     spec = llm.engine.spec
     total = llm.engine.model_config.num_layers
     params = SamplingParams(max_tokens=args.tokens, temperature=0)
+    plain_params = SamplingParams(max_tokens=args.tokens, temperature=0, speculative=False)
     for L in [int(x) for x in args.layers.split(",")]:
         spec.proposer.num_layers = L
         for name, prompts in (("copy-heavy", COPY[:2]), ("open-ended", CHAT[:2])):
@@ -44,8 +46,13 @@ def main() -> None:
             drafted = s1.spec_decode_num_draft_tokens - s0.spec_decode_num_draft_tokens
             acc = (s1.spec_decode_num_accepted_tokens - s0.spec_decode_num_accepted_tokens) / max(drafted, 1)
             n = sum(len(o.outputs[0].token_ids) for o in outs)
-            print(f"L={L:2d}/{total}  {name:11s} acceptance {acc:.3f}  ({drafted} drafted, {n} tokens, "
-                  f"{n / dt:.1f} tok/s for 2 streams)", flush=True)
+            t = time.perf_counter()
+            plain = llm.chat([[{"role": "user", "content": p}] for p in prompts], plain_params, use_tqdm=False)
+            dt_plain = time.perf_counter() - t
+            n_plain = sum(len(o.outputs[0].token_ids) for o in plain)
+            print(f"L={L:2d}/{total}  {name:11s} acceptance {acc:.3f}  ({drafted} drafted, {n} tokens)  "
+                  f"spec {n / dt:.1f} tok/s  plain {n_plain / dt_plain:.1f} tok/s  x{(n / dt) / (n_plain / dt_plain):.2f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

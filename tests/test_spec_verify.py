@@ -5,7 +5,7 @@ import torch
 
 from tokenfab.engine.spec.config import SpeculativeConfig
 from tokenfab.engine.spec.ngram import NgramProposer
-from tokenfab.engine.spec.policy import AdaptivePolicy, SeqSpecState
+from tokenfab.engine.spec.policy import ROW_COST, AdaptivePolicy, SeqSpecState, expected_gain
 from tokenfab.engine.spec.verify import accept_greedy, accept_sampled, target_probs
 from tokenfab.sampling import SamplingParams
 
@@ -87,17 +87,26 @@ def test_target_probs_apply_temperature_top_k_top_p_and_min_p_as_the_sampler():
 
 def test_adaptive_k_follows_acceptance_and_backs_off_a_rejecting_sequence():
     pol = AdaptivePolicy(k_max=8, max_batch_size=4)
-    few = SeqSpecState()
-    good, bad = SeqSpecState(), SeqSpecState()
+    good, fair, bad = SeqSpecState(), SeqSpecState(), SeqSpecState()
     for step in range(10):
         pol.observe(good, 4, 4, step)
+        pol.observe(fair, 4, 2, step)                 # 2 of 3 tested drafts accepted
         pol.observe(bad, 4, 0, step)
-        pol.observe(few, 1, 0 if step % 2 else 1, step)   # half accepted, but not even one token a round
-    assert pol.k_for(good, 10) == 8
-    assert pol.k_for(bad, 10) == 0                  # paused
-    assert pol.k_for(few, 10) == 0
+    k_good, k_fair = pol.k_for(good, 10), pol.k_for(fair, 10)
+    # the k that maximises expected tokens per unit of step cost (policy.expected_gain)
+    assert k_good == max(range(1, 9), key=lambda k: expected_gain(0.95, k, ROW_COST))
+    assert 1 <= k_fair < k_good
+    assert pol.k_for(bad, 10) == 0                  # not worth a single draft: paused
+    assert pol.k_for(bad, 11) == 0
     assert pol.k_for(bad, 10 + 256) >= 1            # and tries again later
     assert pol.step_allows(4) and not pol.step_allows(5)
+
+
+def test_a_costly_proposer_needs_higher_acceptance_to_draft():
+    cheap, costly = AdaptivePolicy(4, 4), AdaptivePolicy(4, 4, draft_cost=0.8)
+    st = SeqSpecState(rate=0.8)
+    assert cheap.k_for(SeqSpecState(rate=0.8), 0) >= 2
+    assert costly.k_for(st, 0) == 0
 
 
 @pytest.mark.parametrize("bad, message", [

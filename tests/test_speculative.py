@@ -12,8 +12,14 @@ pytestmark = pytest.mark.timeout(1200)     # several engines on the bundled mode
 NEW = 64
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "max_batch_size": 64}
-LAYERSKIP = {"method": "layerskip", "num_speculative_tokens": 3, "num_layers": 20, "max_batch_size": 64}
-METHODS = pytest.mark.parametrize("method", [NGRAM, LAYERSKIP], ids=["ngram", "layerskip"])
+# layerskip and the self-draft cost as much per draft as they could save: the adaptive policy would
+# (rightly) never draft with them, so these equality tests force k.
+LAYERSKIP = {"method": "layerskip", "num_speculative_tokens": 3, "num_layers": 20, "max_batch_size": 64,
+             "adaptive": False}
+# The bundled model drafting for itself: a real GGUF draft, its own KV pool, acceptance near 1.
+DRAFT = {"method": "draft", "model": None, "num_speculative_tokens": 4, "max_batch_size": 64, "adaptive": False}
+METHODS = pytest.mark.parametrize("method", [pytest.param(NGRAM, id="ngram"), pytest.param(LAYERSKIP, id="layerskip"),
+                                             pytest.param(DRAFT, id="draft", marks=pytest.mark.slow)])
 PASSAGES = [
     "The cache holds blocks of sixteen tokens each, and the scheduler admits requests while the budget allows.",
     "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n",
@@ -52,7 +58,10 @@ def tokens(outs) -> list[list[int]]:
 def spec_llm(files, **kw) -> LLM:
     kw.setdefault("max_model_len", 1024)
     kw.setdefault("num_kv_blocks", 1024)
-    return LLM(loaded=files, quantization="none", speculative_config=kw.pop("spec", NGRAM), **kw)
+    spec = kw.pop("spec", NGRAM)
+    if spec["method"] == "draft" and spec["model"] is None:
+        spec = {**spec, "model": files.path}
+    return LLM(loaded=files, quantization="none", speculative_config=spec, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -350,4 +359,33 @@ def test_server_metrics_and_bench_scrape_report_acceptance(copy_llms):
     acc = spec_metrics.acceptance(before, after)
     assert acc is not None and 0 < acc["acceptance_rate"] <= 1 and acc["mean_accepted_length"] > 1
     assert acc["acceptance_rate_per_pos"][0] >= acc["acceptance_rate_per_pos"][-1]
+    assert spec.engine.block_manager.num_used_blocks() == 0
+
+
+def test_http_speculative_field_opts_a_request_out_and_rejects_non_bool(copy_llms):
+    """`speculative` (vLLM-style extra field) on /v1/completions and /v1/chat/completions maps to
+    SamplingParams(speculative=...): false never drafts, the default does, a string is a 400."""
+    import httpx
+
+    from tokenfab.server.app import build_app
+    from tokenfab.server.config import ServerConfig
+    from tokenfab.server.launch import ServerThread
+
+    spec = copy_llms[1]
+    with ServerThread(build_app(spec.engine, ServerConfig(access_log=False))) as srv:
+        model = httpx.get(srv.url + "/v1/models", timeout=60).json()["data"][0]["id"]
+        base = {"model": model, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        routes = [("/v1/completions", {**base, "prompt": COPY}),
+                  ("/v1/chat/completions", {**base, "messages": [{"role": "user", "content": COPY}]})]
+        for path, body in routes:
+            before = spec.engine.stats().spec_decode_num_drafts
+            r = httpx.post(srv.url + path, json={**body, "speculative": False}, timeout=300)
+            assert r.status_code == 200, r.text
+            assert spec.engine.stats().spec_decode_num_drafts == before, path
+        before = spec.engine.stats().spec_decode_num_drafts
+        r = httpx.post(srv.url + "/v1/completions", json=routes[0][1], timeout=300)
+        assert r.status_code == 200, r.text
+        assert spec.engine.stats().spec_decode_num_drafts > before
+        r = httpx.post(srv.url + "/v1/completions", json={**routes[0][1], "speculative": "no"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "speculative", r.text
     assert spec.engine.block_manager.num_used_blocks() == 0

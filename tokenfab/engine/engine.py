@@ -140,6 +140,14 @@ class LLMEngine:
         # int8: values plus a float32 scale per token and head (counted, so int8 holds ~1.9x bf16's tokens)
         kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         self.kv_bytes_per_token = kv_bytes_per_token(mcfg, kv_dtype)
+        spec_cfg = draft_files = None
+        if config.speculative_config is not None:
+            from tokenfab.engine.spec.config import SpeculativeConfig
+            spec_cfg = SpeculativeConfig.from_dict(config.speculative_config)
+            if spec_cfg.method == "draft":   # its KV pool shares the budget, block for block (spec/draft.py)
+                from tokenfab.engine.spec.draft import draft_kv_bytes_per_token, load_draft_files
+                draft_files = load_draft_files(spec_cfg.model, mcfg, self.tokenizer)
+                self.kv_bytes_per_token += draft_kv_bytes_per_token(draft_files, kv_dtype)
         block_bytes = self.kv_bytes_per_token * config.block_size
         num_blocks, self.kv_sized_from = kv_pool_blocks(config, max_len, block_bytes)
         if num_blocks < 1:
@@ -171,11 +179,16 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids, mcfg.vocab_size)
         self.structured = GrammarCompiler(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
         self.spec = None      # engine/spec: speculative decoding, when configured
-        if config.speculative_config is not None:
-            from tokenfab.engine.spec.config import SpeculativeConfig
+        if spec_cfg is not None:
             from tokenfab.engine.spec.decoder import SpecDecoder
-            self.spec = SpecDecoder(SpeculativeConfig.from_dict(config.speculative_config), self.max_model_len,
-                                    mcfg.vocab_size, self.model, self.runner, self.block_manager)
+            draft = None
+            if draft_files is not None:
+                from tokenfab.engine.spec.draft import build_draft_model
+                draft_model = build_draft_model(draft_files, config, self.dtype, kv_dtype, self.max_model_len + 1)
+                draft = (draft_model, ModelRunner(draft_model, num_blocks, config.block_size, kv_dtype, config.device))
+                del draft_files
+            self.spec = SpecDecoder(spec_cfg, self.max_model_len, mcfg.vocab_size, self.model, self.runner,
+                                    self.block_manager, draft)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.prompt_tokens_total = 0

@@ -55,6 +55,7 @@ class SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    speculative: bool = True                # False: this request never drafts (when the server speculates)
 
     @field_validator("service_tier")
     @classmethod
@@ -90,7 +91,7 @@ class SamplingFields(_Body):
         if self.stop_token_ids:
             kw["stop_token_ids"] = list(self.stop_token_ids)
         kw.update(ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-                  skip_special_tokens=self.skip_special_tokens)
+                  skip_special_tokens=self.skip_special_tokens, speculative=self.speculative)
         return kw
 
     @property

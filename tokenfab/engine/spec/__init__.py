@@ -4,8 +4,9 @@ the longest acceptable prefix plus one token of the target's own.
 
 - `config.py`   SpeculativeConfig: the `speculative_config` dict (vLLM's shape), validated
 - `ngram.py`    prompt lookup: the tokens that followed the latest earlier match of the last n tokens
+- `draft.py`    a smaller model with the target's tokenizer, its KV pool block for block beside the target's
 - `layerskip.py` self-speculative: the target's first L layers + final norm + LM head draft greedily
 - `verify.py`   greedy acceptance and rejection sampling against the fully processed target distribution
-- `policy.py`   adaptive k per sequence, back-off for sequences that keep rejecting, the batch-size switch
+- `policy.py`   k per sequence maximising expected tokens per step cost, back-off, the batch-size switch
 - `decoder.py`  SpecDecoder: what the engine calls each step (propose, verify, commit, counters)
 """

@@ -3,13 +3,14 @@
     LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                             "prompt_lookup_max": 4, "prompt_lookup_min": 2})
     LLM(speculative_config={"method": "layerskip", "num_speculative_tokens": 3, "num_layers": 20})
+    LLM(speculative_config={"method": "draft", "model": "path/to/small.gguf", "num_speculative_tokens": 4})
     tokenfab serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "layerskip")
+METHODS = ("ngram", "draft", "layerskip")
 
 
 @dataclass(slots=True)
@@ -18,7 +19,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4       # k: the most draft tokens per sequence and step
     prompt_lookup_max: int = 4            # ngram: the longest suffix matched against the context
     prompt_lookup_min: int = 2            # ngram: the shortest
-    num_layers: int | None = None         # layerskip: the target's first L layers draft; None: half of them
+    num_layers: int | None = None         # layerskip: the target's first L layers draft; None: 0.8 of them (24 of 30; docs/speculative.md)
+    model: str | None = None              # draft: the draft model (GGUF file or HF folder), same vocabulary
     # Adaptive policy (docs/speculative.md). The batch switch: no speculation in a step whose
     # running decodes exceed this. Measured (benchmarks/speculative.py, 1 thread): at 8 streams a
     # 16-row verification step cost 2.0x a decode step for 1.9x the tokens; at 4 streams, 2.5x for
@@ -58,6 +60,11 @@ class SpeculativeConfig:
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"speculative_config {name} must be a positive integer, got {v!r}")
+        if self.method == "draft" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config method 'draft' needs \"model\": the path of a smaller model "
+                             "(GGUF file or HF folder) with the target's tokenizer")
+        if self.model is not None and self.method != "draft":
+            raise ValueError(f"speculative_config model is for method 'draft', not {self.method!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")

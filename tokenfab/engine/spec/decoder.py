@@ -37,17 +37,27 @@ class SpecStats:
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, vocab_size: int, model=None, runner=None,
-                 block_manager=None) -> None:
+                 block_manager=None, draft=None) -> None:
+        """`draft`: (draft model, its ModelRunner) for method "draft" (the engine builds them: it sizes
+        the KV pools)."""
         self.config = config
         self.k_max = config.num_speculative_tokens
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        draft_cost = 0.0             # the proposer's cost per draft token, in plain decode steps
         if config.method == "layerskip":
             from tokenfab.engine.spec.layerskip import LayerSkipProposer
-            layers = config.num_layers or model.config.num_layers // 2
+            # 24 of 30 on the bundled model: the best of L in {8, 15, 20, 24, 27, 29}, all slower than
+            # plain decoding there (benchmarks/layerskip_depth.py; docs/speculative.md)
+            layers = config.num_layers or max(1, min(model.config.num_layers - 1, round(0.8 * model.config.num_layers)))
             self.proposer = LayerSkipProposer(model, runner, block_manager, layers, vocab_size)
+            draft_cost = layers / model.config.num_layers
+        elif config.method == "draft":
+            from tokenfab.engine.spec.draft import DraftModelProposer
+            self.proposer = DraftModelProposer(draft[0], draft[1], block_manager, vocab_size)
+            draft_cost = _num_params(draft[0]) / _num_params(model)
         else:
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        self.policy = AdaptivePolicy(self.k_max, config.max_batch_size, config.adaptive)
+        self.policy = AdaptivePolicy(self.k_max, config.max_batch_size, config.adaptive, draft_cost)
         self.stats = SpecStats(accepted_per_pos=[0] * self.k_max)
         self.step_index = 0
 
@@ -148,8 +158,7 @@ class SpecDecoder:
         self.policy.observe(seq.spec_state, num_drafts, num_accepted, self.step_index)
 
     # -- 3. commit ---------------------------------------------------------------------------------
-    @staticmethod
-    def commit(seq, tokens: list[SampledToken], append, block_manager) -> None:
+    def commit(self, seq, tokens: list[SampledToken], append, block_manager) -> None:
         """Append `tokens` (accepted drafts, then the target's own) one at a time, stopping at the first
         finish. Before this, `seq.num_computed_tokens` counts the context up to the drafts."""
         had_drafts = bool(seq.spec_tokens)
@@ -160,6 +169,16 @@ class SpecDecoder:
                 return
             if j < len(tokens) - 1:          # an accepted draft: its K/V were computed in this step
                 seq.num_computed_tokens += 1
+        if self.config.method == "draft":
+            self.proposer.observe(seq)
         if had_drafts:
             block_manager.cache_full_blocks(seq)
             block_manager.trim(seq, seq.num_tokens)
+
+
+def _num_params(model) -> int:
+    """Parameters as the model was configured (quantized layers count as their float shapes)."""
+    c = model.config
+    per_layer = (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+                 + 3 * c.hidden_size * c.intermediate_size)
+    return c.num_layers * per_layer + c.vocab_size * c.hidden_size
