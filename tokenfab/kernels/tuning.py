@@ -46,6 +46,7 @@ STACK_MARGIN = 0.5        # within the cpu backend's one-call decode rows, displ
 LOSSY_MARGIN = 0.5        # a kernel that rounds activations below the compute precision (torch's packed
                           # kernels: bf16, KL 1e-3 on the bundled model) must be this much faster to be chosen
 TABLE_VERSION = 1
+STACK_KERNELS = ("qgemm", "qdot")   # kernels whose layouts the one-call decode stack runs (tf_qgemm, tf_qdot)
 
 
 # ---------------------------------------------------------------------------- the hand-made rules
@@ -95,6 +96,7 @@ def _cpu_key() -> str:
         pass
     from tokenfab import kernels as c
     parts.append(str(c.enabled()))
+    parts.append(str(c.isa()))          # each ISA variant times differently: its own table
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -205,7 +207,8 @@ class KernelTable:
             t = {k: e["times"][k][i] for k in order if e["times"][k][i] is not None}
             if t:
                 pick = _pick([k for k in order if k in t], t, lossy)
-                if r <= stack_rows and "qgemm" in t and pick != "qgemm" and t[pick] > t["qgemm"] * (1 - STACK_MARGIN):
+                if r <= stack_rows and "qgemm" in t and pick not in STACK_KERNELS \
+                        and t[pick] > t["qgemm"] * (1 - STACK_MARGIN):
                     pick = "qgemm"
                 ranges.append((r, pick))
         if not ranges:
