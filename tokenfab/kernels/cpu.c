@@ -579,14 +579,64 @@ static inline __attribute__((always_inline)) __m256i tf_dpbusd(__m256i acc, __m2
 #endif
 }
 
-/* One output row of an int4 / int8 weight for M activation rows (M a constant at each call site). */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define TF_QDOT512 1
+/* The 16 lane sums of u8 x s8 products over 64 bytes (two blocks of 32: lanes 0-7 the first). */
+static inline __attribute__((always_inline)) __m512i tf_dpbusd512(__m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+#else
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#endif
+}
+
+/* Two scales: lanes 0-7 a, 8-15 b. */
+static inline __attribute__((always_inline)) __m512 tf_scale2(float a, float b) {
+    return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+#endif
+
+/* One output row of an int4 / int8 weight for M activation rows (M a constant at each call site).
+ * AVX-512 builds take two blocks per instruction (one 64-byte dot product, one 16-lane FMA). */
 static inline __attribute__((always_inline)) void tf_qdot_row(const int M, float *out, const int8_t *xq,
-                                                             const float *dx, int64_t K, int64_t nb,
-                                                             const void *q, const float *sb, int64_t bits) {
+                                                             const float *dx, const float *dx16, int64_t K,
+                                                             int64_t nb, const void *q, const float *sb,
+                                                             int64_t bits) {
+    int64_t b = 0;
+    float tail[TF_MAX_ROWS] = {0};
+#ifdef TF_QDOT512
+    {
+        __m512 acc[TF_MAX_ROWS];
+        for (int r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
+        const __m256i m4 = _mm256_set1_epi8(0x0F);
+        for (; b + 2 <= nb; b += 2) {
+            __m512i u, w = _mm512_setzero_si512();
+            if (bits == 4) {      /* 32 bytes: blocks b, b+1; each block's low nibbles then high ones */
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)((const uint8_t *)q + b * 16));
+                const __m256i lo = _mm256_and_si256(bytes, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4);
+                const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);   /* lo0 lo1 hi0 hi1 */
+                u = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));                  /* lo0 hi0 lo1 hi1 */
+            } else {
+                w = _mm512_loadu_si512((const void *)((const int8_t *)q + b * 32));
+                u = _mm512_abs_epi8(w);
+            }
+            /* int8: w's sign moves onto x (x * sign(w); x == 0 where w == 0 does not matter) */
+            const __mmask64 neg = bits == 4 ? 0 : _mm512_movepi8_mask(w);
+            const __m512 wsc = tf_scale2(sb[b], sb[b + 1]);
+            for (int r = 0; r < M; r++) {
+                __m512i xv = _mm512_loadu_si512((const void *)(xq + r * K + b * 32));
+                if (bits != 4) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+                const __m512 sc = _mm512_mul_ps(wsc, _mm512_loadu_ps(dx16 + (r * nb + b) * 8));
+                acc[r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(tf_dpbusd512(u, xv)), acc[r]);
+            }
+        }
+        for (int r = 0; r < M; r++) tail[r] = _mm512_reduce_add_ps(acc[r]);
+    }
+#endif
     __m256 acc0[TF_MAX_ROWS], acc1[TF_MAX_ROWS];
     for (int r = 0; r < M; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
     const __m256i zero = _mm256_setzero_si256(), mask = _mm256_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; b++) {
+    for (; b < nb; b++) {
         __m256i u, w = zero;
         if (bits == 4) {
             const __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + b * 16));
@@ -604,7 +654,7 @@ static inline __attribute__((always_inline)) void tf_qdot_row(const int M, float
             else acc0[r] = _mm256_fmadd_ps(s, dot, acc0[r]);
         }
     }
-    for (int r = 0; r < M; r++) out[r] = tf_hsum(_mm256_add_ps(acc0[r], acc1[r]));
+    for (int r = 0; r < M; r++) out[r] = tail[r] + tf_hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
 /* One output row of a Q4_K / Q6_K weight (`row`: its super-blocks) for M activation rows. */
@@ -618,6 +668,10 @@ static inline __attribute__((always_inline)) void tf_kqdot_row(const int M, floa
         acc[r] = _mm256_setzero_ps();
         bias[r] = 0.f;
     }
+#ifdef TF_QDOT512
+    __m512 acc512[TF_MAX_ROWS];
+    for (int r = 0; r < M; r++) acc512[r] = _mm512_setzero_ps();
+#endif
     const __m256i zero = _mm256_setzero_si256(), m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *blk = row + s * bb;
@@ -625,6 +679,25 @@ static inline __attribute__((always_inline)) void tf_kqdot_row(const int M, floa
             const float d = tf_f16(blk), dmin = tf_f16(blk + 2);
             uint8_t sc[8], mn[8];
             tf_scale_min_k4(blk + 4, sc, mn);
+#ifdef TF_QDOT512
+            /* sub-blocks 2i and 2i+1 are the low and high nibbles of the same 32 bytes: one 64-byte dot */
+            for (int i = 0; i < 4; i++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk + 16 + i * 32));
+                const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, m4)),
+                                                     _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4), 1);
+                const float a0 = d * (float)sc[2 * i], a1 = d * (float)sc[2 * i + 1];
+                const float mm = dmin * (float)mn[2 * i], mm1 = dmin * (float)mn[2 * i + 1];
+                const int64_t b = s * 8 + 2 * i;
+                for (int r = 0; r < M; r++) {
+                    const __m512i xv = _mm512_loadu_si512((const void *)(xq + r * K + b * 32));
+                    const __m512 dot = _mm512_cvtepi32_ps(tf_dpbusd512(u, xv));
+                    acc512[r] = _mm512_fmadd_ps(tf_scale2(a0 * dx[r * nb + b], a1 * dx[r * nb + b + 1]), dot, acc512[r]);
+                    const float *xs = xs16 + r * (K / 16) + 2 * b;
+                    bias[r] += mm * (xs[0] + xs[1]) + mm1 * (xs[2] + xs[3]);
+                }
+            }
+            continue;
+#endif
             for (int sub = 0; sub < 8; sub++) {
                 const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk + 16 + (sub >> 1) * 32));
                 const __m256i u = _mm256_and_si256(sub & 1 ? _mm256_srli_epi16(bytes, 4) : bytes, m4);
@@ -640,6 +713,38 @@ static inline __attribute__((always_inline)) void tf_kqdot_row(const int M, floa
         } else {    /* Q6_K: weight h * 128 + j * 32 + l: ql[h * 64 + l + 32 (j & 1)] >> 4 (j >> 1), qh[h * 32 + l] >> 2j */
             const int8_t *sc = (const int8_t *)(blk + 192);
             const float d = tf_f16(blk + 208);
+#ifdef TF_QDOT512
+            /* runs j and j+1 of a half: 64 contiguous ql bytes (j even: low nibbles, else high), qh shifted
+             * by 2j and 2j + 2; the 16 lanes take the 4 sub-block scales from sc[h * 8 + 2j] on */
+            const __m512i m4z = _mm512_set1_epi8(0x0F), m2z = _mm512_set1_epi8(3);
+            const __m512i quad = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+            for (int h = 0; h < 2; h++) {
+                const __m256i qh256 = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
+                const __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(qh256), qh256, 1);
+                const __m512i ql = _mm512_loadu_si512((const void *)(blk + h * 64));
+                for (int j = 0; j < 4; j += 2) {
+                    const __m512i lo = _mm512_and_si512(j ? _mm512_srli_epi16(ql, 4) : ql, m4z);
+                    const __m512i cnt = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)),
+                                                           _mm256_set1_epi16((short)(2 * j + 2)), 1);
+                    const __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(qh, cnt), m2z);
+                    const __m512i u = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+                    const int8_t *sj = sc + h * 8 + 2 * j;
+                    const float s0 = d * (float)sj[0], s1 = d * (float)sj[1], s2 = d * (float)sj[2], s3 = d * (float)sj[3];
+                    const int64_t b = s * 8 + h * 4 + j;
+                    for (int r = 0; r < M; r++) {
+                        const __m512i xv = _mm512_loadu_si512((const void *)(xq + r * K + b * 32));
+                        const __m512 dot = _mm512_cvtepi32_ps(tf_dpbusd512(u, xv));
+                        const float e0 = dx[r * nb + b], e1 = dx[r * nb + b + 1];
+                        const __m512 lane = _mm512_permutexvar_ps(
+                            quad, _mm512_castps128_ps512(_mm_set_ps(s3 * e1, s2 * e1, s1 * e0, s0 * e0)));
+                        acc512[r] = _mm512_fmadd_ps(lane, dot, acc512[r]);
+                        const float *xs = xs16 + r * (K / 16) + 2 * b;
+                        bias[r] += 32.f * (s0 * xs[0] + s1 * xs[1] + s2 * xs[2] + s3 * xs[3]);
+                    }
+                }
+            }
+            continue;
+#endif
             for (int h = 0; h < 2; h++) {
                 const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
                 for (int j = 0; j < 4; j++) {
@@ -661,7 +766,11 @@ static inline __attribute__((always_inline)) void tf_kqdot_row(const int M, floa
             }
         }
     }
+#ifdef TF_QDOT512
+    for (int r = 0; r < M; r++) out[r] = _mm512_reduce_add_ps(acc512[r]) - bias[r];
+#else
     for (int r = 0; r < M; r++) out[r] = tf_hsum(acc[r]) - bias[r];
+#endif
 }
 #endif
 
@@ -713,8 +822,12 @@ void tf_qdot(float *y, const float *x, int64_t M, int64_t K, int64_t N, const vo
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
     float *xs16 = (float *)malloc(sizeof(float) * (size_t)(M * (K / 16)));
     float *xs = (float *)calloc((size_t)(M * G + 1), sizeof(float));   /* sums of x~ per group (int4's m) */
+    /* each activation scale repeated over its block's 8 lanes: the AVX-512 row loads two blocks' at once */
+    float *dx16 = (float *)malloc(sizeof(float) * (size_t)(M * nb * 8));
     for (int64_t r = 0; r < M; r++) {
         tf_quantize_i8(x + r * K, K, xq + r * K, dx + r * nb, xs16 + r * (K / 16));
+        for (int64_t b = 0; b < nb; b++)
+            for (int j = 0; j < 8; j++) dx16[(r * nb + b) * 8 + j] = dx[r * nb + b];
         if (bits == 4)
             for (int64_t g = 0; g < G; g++)
                 for (int64_t k = g * gs / 16; k < (g + 1) * gs / 16; k++) xs[r * G + g] += xs16[r * (K / 16) + k];
@@ -737,7 +850,7 @@ void tf_qdot(float *y, const float *x, int64_t M, int64_t K, int64_t N, const vo
                 sb = sbuf;
             }
 #if defined(__AVX2__) && defined(__FMA__)
-            TF_ROWS_SWITCH(tf_qdot_row, out, xq, dx, K, nb, qn, sb, bits)
+            TF_ROWS_SWITCH(tf_qdot_row, out, xq, dx, dx16, K, nb, qn, sb, bits)
 #else
             for (int64_t r = 0; r < M; r++) {
                 float acc = 0.f;
@@ -758,6 +871,7 @@ void tf_qdot(float *y, const float *x, int64_t M, int64_t K, int64_t N, const vo
     free(dx);
     free(xs16);
     free(xs);
+    free(dx16);
 }
 
 void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const float *d,
