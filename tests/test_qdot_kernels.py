@@ -134,19 +134,23 @@ def _table(key, times, rows=(1, 4, 16, 64)):
     return KernelTable({key: {"rows": list(rows), "times": times}}, path=None)
 
 
-def test_the_table_picks_qdot_only_where_it_is_measured_much_faster_and_falls_back_without_it(monkeypatch):
+def test_the_table_picks_qdot_only_when_opted_in_and_much_faster_and_falls_back_without_it(monkeypatch):
     layer = _layers()["q4_k"]
     key = layer.shape_key()
     # qdot 3x faster than qgemm at 1-4 rows, 20 % faster at 16 (not enough for a lossy kernel), slower at 64
     tbl = _table(key, {"qgemm": [3.0, 3.0, 6.0, 20.0], "qdot": [1.0, 1.0, 5.0, 30.0], "float": [9.0, 9.0, 9.0, 9.0]})
     select_kernels(torch.nn.ModuleList([layer]), max_rows=512, head_max_rows=8, table=tbl, autotune=False,
-                   float_copy_budget=1 << 30)
+                   float_copy_budget=1 << 30, int8_activations=True)
     assert layer.plan.names() == [(4, "qdot"), (16, "qgemm"), (None, "float")]
+    # opt-in: without int8_activations the same table never chooses it
+    select_kernels(torch.nn.ModuleList([layer]), max_rows=512, head_max_rows=8, table=tbl, autotune=False,
+                   float_copy_budget=1 << 30)
+    assert layer.plan.names() == [(16, "qgemm"), (None, "float")]
     # without the C kernels neither runs: the float copy takes every row count
     monkeypatch.setattr(seam.get("qdot"), "supports", lambda layer: "not built (test)")
     monkeypatch.setattr(seam.get("qgemm"), "supports", lambda layer: "not built (test)")
     select_kernels(torch.nn.ModuleList([layer]), max_rows=512, head_max_rows=8, table=tbl, autotune=False,
-                   float_copy_budget=1 << 30)
+                   float_copy_budget=1 << 30, int8_activations=True)
     assert layer.plan.names() == [(None, "float")]
 
 

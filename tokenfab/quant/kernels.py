@@ -7,7 +7,8 @@ measured table (tokenfab/kernels/tuning.py), not here:
   bundled model, where bf16 activations give 1e-3). 8 rows per pass over the weight: decode steps.
 - **qdot**: tf_qdot (cpu.c), llama.cpp's approach: int8 activation blocks of 32 with their own scale,
   integer dot products against int4 / int8 / Q8_0 / Q4_K / Q6_K blocks (vpdpbusd on VNNI builds,
-  AVX2 maddubs otherwise). Lossy (int8 activations), so the table needs it LOSSY_MARGIN faster.
+  AVX2 maddubs otherwise). Lossy (int8 activations): opt-in (EngineConfig.int8_activations), and then
+  the table needs it LOSSY_MARGIN faster.
 - **packed**: torch's CPU weight-only kernels, `_weight_int8pack_mm` (int8, one scale per output
   channel) and `_weight_int4pack_mm_for_cpu` (int4 in groups, w = (q - 8) * scale + zero; Q8_0 as two
   int4 halves). They read the quantized bytes directly; activations are rounded to bf16 on the way in
@@ -65,10 +66,12 @@ class QGemm:
 class QDot:
     """tf_qdot (tokenfab/kernels/cpu.c): llama.cpp's approach, int8 activation blocks of 32 with their
     own scale times the stored int4 / int8 / Q8_0 / Q4_K / Q6_K blocks in integer dot products
-    (vpdpbusd with VNNI, AVX2 maddubs otherwise). Lossy: chosen only where the table measures it
-    LOSSY_MARGIN faster than the precise kernels (docs/quant.md has its KL)."""
+    (vpdpbusd with VNNI, AVX2 maddubs otherwise). Opt-in: the int8 activations cost KL 3.5e-3 against
+    float on the bundled model (docs/quant.md), so the table measures and chooses it only with
+    EngineConfig.int8_activations, and then, being lossy, only where it is LOSSY_MARGIN faster than the
+    precise kernels. linear_kernel="qdot" forces it."""
     name, formats, tune_max_rows, float_copy = "qdot", ("int8", "int4", "q8_0", "q4_k", "q6_k"), 64, False
-    rank, lossy = 1, True
+    rank, lossy, opt_in = 1, True, True
 
     def supports(self, layer):
         why = QGemm().supports(layer)
