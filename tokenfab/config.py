@@ -33,9 +33,11 @@ class EngineConfig:
     # -- kernels: chosen once at load (tokenfab/kernels/linear.py, tokenfab/model/backends.py) ----------
     attention_backend: str = "auto"          # auto | torch (portable) | cpu (tokenfab's C kernels)
     linear_kernel: str = "auto"              # auto (measured table) | a registered kernel forced where it runs:
-                                             # onednn, torch, qgemm, packed, float, dequant, w8a8
+                                             # onednn, torch, qgemm, qdot, packed, float, dequant, w8a8
     kernel_autotune: bool = True             # measure the kernel table on first load (cached per CPU); False:
                                              # the built-in rules, nothing measured
+    int8_activations: bool = False           # let the table choose qdot (int8 activation blocks, llama.cpp's
+                                             # approach): KL 3.5e-3 vs float on the bundled model (docs/quant.md)
     enable_float_cache: bool = True          # float32 copies of quantized weights where the table says they pay
     enable_fused_decode: bool = True         # cpu backend: the whole stack in one C call on small decode steps
     fused_decode_max_tokens: int = 16        # ... of at most this many rows (and where every linear runs qgemm)

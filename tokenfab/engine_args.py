@@ -120,7 +120,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    help=f"auto, torch (portable) or cpu (tokenfab's C kernels) (default: {d.attention_backend})")
     g.add_argument("--linear-kernel", default=None,
                    help="auto (the measured table) or one kernel forced where it runs: onednn, torch, qgemm, "
-                        f"packed, float, dequant, w8a8 (default: {d.linear_kernel})")
+                        f"qdot, packed, float, dequant, w8a8 (default: {d.linear_kernel})")
+    g.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the kernel table choose qdot: activations as int8 blocks of 32, integer dot products "
+                        "(VNNI where the CPU has it), as llama.cpp; lossy (docs/quant.md) "
+                        f"(default: {'on' if d.int8_activations else 'off'})")
     g.add_argument("--kernel-autotune", action=argparse.BooleanOptionalAction, default=None,
                    help="measure the kernel table on first load, cached per CPU under ~/.cache/tokenfab/tuning "
                         f"(default: {'on' if d.kernel_autotune else 'off'}; off: built-in rules)")

@@ -136,6 +136,7 @@ def _engine_info(files, args) -> dict:
     r, m = engine.kernel_report, engine.memory
     return {
         "attention_backend": engine.model.attention_backend.describe(),
+        "c_kernels_isa": kernels_isa(),
         "linear_kernels": {f"{k} (x{r.layers[k]})": v for k, v in r.plans.items()},
         "kernel_table": r.table_path or "none (built-in rules)",
         "memory_mib": {"weights": round(m["weights"] / 2**20, 1), "float copies": round(m["float_copies"] / 2**20, 1),
@@ -144,6 +145,11 @@ def _engine_info(files, args) -> dict:
                    f"{engine.kv_sized_from}; pages become resident as blocks are used",
         "threads": torch_threads(),
     }
+
+
+def kernels_isa() -> str:
+    from tokenfab import kernels
+    return kernels.describe()
 
 
 def torch_threads() -> int:

@@ -219,7 +219,8 @@ class LLMEngine:
             model, max_rows=config.max_num_batched_tokens, head_max_rows=config.max_num_seqs, head=model.lm_head,
             autotune=config.kernel_autotune and config.device == "cpu", dtype=self.dtype,
             force=KERNEL_ALIASES.get(config.linear_kernel, config.linear_kernel), float_copy_budget=float_budget,
-            stack_rows=config.fused_decode_max_tokens if config.enable_fused_decode else 0)
+            stack_rows=config.fused_decode_max_tokens if config.enable_fused_decode else 0,
+            int8_activations=config.int8_activations)
         release_float_weights(model)
         model.set_attention_backend(model.default_backend(
             config.attention_backend, kv_dtype, fused_decode=config.enable_fused_decode,

@@ -5,7 +5,13 @@
         kernels.rms_norm(x, weight, eps)
 
 The shared library is cached under ~/.cache/tokenfab/kernels (or $TOKENFAB_CACHE), keyed by the
-source, the compiler flags and the CPU model, so a copy built for another CPU is never loaded. Without
+source, the compiler flags and the CPU model, so a copy built for another CPU is never loaded.
+
+Instruction sets: on x86-64 the same source is built once per *ISA variant* (ISA_VARIANTS: AVX2,
+AVX-VNNI, AVX-512 F/BW/VL, AVX-512 + VNNI; each its own .so, built when first asked for), and the
+best one the CPU's flags allow is loaded. TOKENFAB_CPU_ISA=avx2 (or any lower variant) forces one,
+so tests and benchmarks can run every path the machine has; `set_isa` does the same in-process.
+What runs is `isa()`, shown by `tokenfab info`. Other architectures build one "native" variant. Without
 a compiler, or when the build fails, `enabled()` is False (one warning in the log) and the model runs
 its torch path. TOKENFAB_CPU_KERNELS=0 turns them off (the torch path is the reference in tests and
 the baseline in benchmarks).
@@ -29,11 +35,26 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
+# -Bsymbolic: each variant's own calls bind inside it, so two variants loaded in one process (set_isa) never mix
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-Wl,-Bsymbolic"]
+# variant -> (compiler flags, /proc/cpuinfo flags it needs); lowest first. x86-64-v3 is AVX2+FMA+F16C,
+# x86-64-v4 adds AVX-512 F/BW/CD/DQ/VL. -mtune=native keeps this CPU's scheduling and vector-width choice.
+ISA_VARIANTS = {
+    "avx2": (["-march=x86-64-v3", "-mtune=native"], {"avx2", "fma", "f16c"}),
+    "avx_vnni": (["-march=x86-64-v3", "-mavxvnni", "-mtune=native"], {"avx2", "fma", "f16c", "avx_vnni"}),
+    "avx512": (["-march=x86-64-v4", "-mtune=native"],
+               {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}),
+    "avx512_vnni": (["-march=x86-64-v4", "-mavx512vnni", "-mtune=native"],
+                    {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"}),
+}
+NATIVE = "native"                   # non-x86 machines, or x86 without AVX2: -march=native, whatever it has
+ISA_BITS = {1: "avx2", 2: "avx512", 4: "avx512_vnni", 8: "avx_vnni"}   # tf_isa()'s mask in cpu.c
 MAX_HEAD_DIM = 512      # rope's scratch row in cpu.c
 
 _lib = None
 _tried = False
+_isa: str | None = None             # the variant loaded
+_forced_isa: str | None = None      # set_isa()
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -45,6 +66,7 @@ _SIGNATURES = {
     "tf_qgemm": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_kgemm": [_P, _P, _I, _I, _I, _P, _I],
     "tf_kdequant": [_P, _P, _I, _I, _I],
+    "tf_qdot": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_decode_layers": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _I, _P, _I, _F],
 }
 QGEMM_MAX_ROWS = 16     # rows tf_qgemm takes (8 per pass over W, TF_MAX_ROWS in cpu.c); 2-core VM: beats the
@@ -85,20 +107,57 @@ def _cache_dir() -> str:
     return os.path.join(root, "kernels")
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where it can't be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def available_isas() -> list[str]:
+    """The ISA variants this CPU can run, lowest first (["native"] off x86-64 or without AVX2)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return [NATIVE]
+    have = cpu_flags()
+    ok = [name for name, (_, needs) in ISA_VARIANTS.items() if needs <= have]
+    return ok or [NATIVE]
+
+
+def _wanted_isa() -> str:
+    """set_isa's choice, else TOKENFAB_CPU_ISA, else the best variant the CPU has (a request the CPU
+    can't run falls back to the best, with a warning: its instructions would crash the process)."""
+    avail = available_isas()
+    want = _forced_isa or os.environ.get("TOKENFAB_CPU_ISA", "auto")
+    if want in ("", "auto"):
+        return avail[-1]
+    if want not in avail:
+        log.warning("TOKENFAB_CPU_ISA=%s: this CPU runs %s; using %s", want, ", ".join(avail), avail[-1])
+        return avail[-1]
+    return want
+
+
 def _build() -> ctypes.CDLL | None:
+    global _isa
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         log.warning("no C compiler found: tokenfab's CPU kernels are off, the torch path runs instead")
         return None
     with open(SOURCE, "rb") as f:
         src = f.read()
-    key = hashlib.sha256(src + " ".join([cc] + FLAGS).encode() + _cpu_model().encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"cpu-{key}.so")
+    isa = _wanted_isa()
+    flags = FLAGS + (ISA_VARIANTS[isa][0] if isa in ISA_VARIANTS else ["-march=native"])
+    key = hashlib.sha256(src + " ".join([cc] + flags).encode() + _cpu_model().encode()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), f"cpu-{isa}-{key}.so")
     if not os.path.exists(path):
         os.makedirs(_cache_dir(), exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
         os.close(fd)
-        proc = subprocess.run([cc, *FLAGS, SOURCE, "-o", tmp, "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *flags, SOURCE, "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             os.unlink(tmp)
             log.warning("building tokenfab's CPU kernels failed, the torch path runs instead:\n%s",
@@ -109,7 +168,41 @@ def _build() -> ctypes.CDLL | None:
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
+    lib.tf_isa.argtypes, lib.tf_isa.restype = [], ctypes.c_int64
+    _isa = isa
     return lib
+
+
+def isa() -> str | None:
+    """The ISA variant the loaded kernels were built for ("avx512_vnni", "avx2", ...), or None when off."""
+    return _isa if enabled() else None
+
+
+def compiled_features() -> list[str]:
+    """What the loaded build's compiler actually enabled (tf_isa in cpu.c): avx2, avx512, avx512_vnni, avx_vnni."""
+    if not enabled():
+        return []
+    mask = _lib.tf_isa()
+    return [name for bit, name in ISA_BITS.items() if mask & bit]
+
+
+def set_isa(name: str | None) -> None:
+    """Load the `name` variant in this process (None: back to TOKENFAB_CPU_ISA / the best); ValueError
+    when this CPU cannot run it. Kernel plans prepared before keep pointing at the old library's
+    layouts, which stay valid (the layouts are the same for every variant)."""
+    global _forced_isa
+    if name is not None and name not in available_isas():
+        raise ValueError(f"this CPU cannot run the {name!r} kernels; it runs {', '.join(available_isas())}")
+    _forced_isa = name
+    set_enabled(True)
+
+
+def describe() -> str:
+    """One line for `tokenfab info`: the variant loaded, what it compiled, and what the CPU offers."""
+    if not enabled():
+        return "off (the torch path runs)"
+    return (f"{_isa} (compiled: {', '.join(compiled_features()) or 'scalar'}; "
+            f"this CPU runs: {', '.join(available_isas())}; TOKENFAB_CPU_ISA forces a lower one)")
 
 
 def enabled() -> bool:
@@ -199,6 +292,22 @@ def qgemm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     return y
 
 
+QDOT_FLAG = 256          # tf_qgemm's `bits | QDOT_FLAG` runs tf_qdot (a qdot layout in the decode stack)
+QDOT_KQUANT_TYPES = (12, 14)   # Q4_K, Q6_K: the K-quants tf_qdot multiplies in integers
+
+
+def qdot(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group_size: int, bits: int,
+         out_features: int) -> torch.Tensor:
+    """As `qgemm`, with activations as int8 per block of 32 (llama.cpp's approach) and integer dot
+    products: vpdpbusd where the build has VNNI, AVX2 maddubs otherwise (tf_qdot in cpu.c)."""
+    x = x.contiguous()
+    M, K = x.shape
+    y = torch.empty(M, out_features)
+    _lib.tf_qdot(y.data_ptr(), x.data_ptr(), M, K, out_features, q.data_ptr(),
+                 None if d is None else d.data_ptr(), None if m is None else m.data_ptr(), group_size, bits)
+    return y
+
+
 # GGUF K-quant types tf_qgemm reads as stored (its `bits` argument is then ggml's type id): super-blocks
 # of 256 weights, bytes per super-block (cpu.c, tf_kquant_block_bytes).
 KQUANT_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -208,6 +317,7 @@ KQUANT_BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210}
 def layout_in_features(layout: tuple) -> int:
     """The input width a tf_qgemm layout (q, d, m, gs, bits) covers."""
     q, _, _, _, bits = layout
+    bits &= ~QDOT_FLAG
     if bits in KQUANT_BLOCK_BYTES:
         return q.shape[1] // KQUANT_BLOCK_BYTES[bits] * 256
     return q.shape[1] * (2 if bits == 4 else 1)
@@ -227,7 +337,7 @@ class QLinear(ctypes.Structure):
     @classmethod
     def of(cls, layout: tuple) -> "QLinear":
         q, d, m, gs, bits = layout
-        return cls(q.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), gs, bits)
+        return cls(q.data_ptr(), None if d is None else d.data_ptr(), None if m is None else m.data_ptr(), gs, bits)
 
 
 class Layer(ctypes.Structure):

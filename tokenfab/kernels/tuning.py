@@ -46,6 +46,7 @@ STACK_MARGIN = 0.5        # within the cpu backend's one-call decode rows, displ
 LOSSY_MARGIN = 0.5        # a kernel that rounds activations below the compute precision (torch's packed
                           # kernels: bf16, KL 1e-3 on the bundled model) must be this much faster to be chosen
 TABLE_VERSION = 1
+STACK_KERNELS = ("qgemm", "qdot")   # kernels whose layouts the one-call decode stack runs (tf_qgemm, tf_qdot)
 
 
 # ---------------------------------------------------------------------------- the hand-made rules
@@ -95,6 +96,7 @@ def _cpu_key() -> str:
         pass
     from tokenfab import kernels as c
     parts.append(str(c.enabled()))
+    parts.append(str(c.isa()))          # each ISA variant times differently: its own table
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -137,7 +139,7 @@ class KernelTable:
         return (e is not None and all(r in e["rows"] for r in rows)
                 and all(k in e["times"] for k in kernels))
 
-    def measure(self, layers: list[KernelLinear], rows: list[int]) -> None:
+    def measure(self, layers: list[KernelLinear], rows: list[int], skip: set[str] = frozenset()) -> None:
         """Time every candidate kernel on these same-shaped layers' real weights at these row counts.
 
         Calls rotate over the layers (up to ROTATE of them), so the weights stream from memory as in a
@@ -147,19 +149,19 @@ class KernelTable:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)        # see MEASURE_THREADS
         try:
-            self._measure(layers, rows)
+            self._measure(layers, rows, skip)
         finally:
             torch.set_num_threads(threads)
             self.measured_s += time.perf_counter() - t0
 
-    def _measure(self, layers: list[KernelLinear], rows: list[int]) -> None:
+    def _measure(self, layers: list[KernelLinear], rows: list[int], skip: set[str] = frozenset()) -> None:
         layer = layers[0]
         key = layer.shape_key()
         entry = self.entries.setdefault(key, {"rows": [], "times": {}})
         all_rows = sorted(set(entry["rows"]) | set(rows))
         gen = torch.Generator().manual_seed(0)
         xs = {r: torch.randn(r, layer.in_features, generator=gen).to(layer.compute_dtype) for r in all_rows}
-        cands = candidates(layer)
+        cands = [k for k in candidates(layer) if k.name not in skip]
         names = {k.name for k in cands}
         group = layers[:ROTATE]
         for k in cands:
@@ -205,7 +207,8 @@ class KernelTable:
             t = {k: e["times"][k][i] for k in order if e["times"][k][i] is not None}
             if t:
                 pick = _pick([k for k in order if k in t], t, lossy)
-                if r <= stack_rows and "qgemm" in t and pick != "qgemm" and t[pick] > t["qgemm"] * (1 - STACK_MARGIN):
+                if r <= stack_rows and "qgemm" in t and pick not in STACK_KERNELS \
+                        and t[pick] > t["qgemm"] * (1 - STACK_MARGIN):
                     pick = "qgemm"
                 ranges.append((r, pick))
         if not ranges:
@@ -269,13 +272,15 @@ class KernelReport:
 def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int, autotune: bool = True,
                    force: str = "auto", float_copy_budget: int = 0, table: KernelTable | None = None,
                    head: torch.nn.Module | None = None, dtype: torch.dtype | None = None,
-                   stack_rows: int = 0) -> KernelReport:
+                   stack_rows: int = 0, int8_activations: bool = False) -> KernelReport:
     """Install a LinearPlan in every KernelLinear of `model`, once.
 
     max_rows: the most rows a decoder linear sees in a step (the token budget); head_max_rows: the
     most the LM head sees (one per sampled sequence). force: a kernel name for every layer that it can
     run (the rest stay automatic); "auto" measures (autotune) or uses the default rules. stack_rows:
-    decode steps up to this many rows may take a one-call decode stack that needs qgemm (STACK_MARGIN)."""
+    decode steps up to this many rows may take a one-call decode stack that needs qgemm (STACK_MARGIN).
+    int8_activations: opt-in kernels (`opt_in`, qdot) are measured and chosen too; otherwise they run
+    only when forced."""
     layers = plan_linears(model)
     if dtype is not None:
         for m in layers:
@@ -289,14 +294,15 @@ def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int,
     rows_for = {key: (head_max_rows if any(m is head for m in ms) and len(ms) == 1 else max_rows)
                 for key, ms in by_key.items()}
 
+    opt_out = set() if int8_activations else {k.name for k in registered() if getattr(k, "opt_in", False)}
     tbl = table if table is not None else (KernelTable.load() if autotune else None)
     if tbl is not None and autotune:
         dirty = False
         for key, ms in by_key.items():
             rows = row_buckets(rows_for[key])
-            names = [k.name for k in candidates(ms[0])]
+            names = [k.name for k in candidates(ms[0]) if k.name not in opt_out]
             if len(names) > 1 and not tbl.has(key, rows, [n for n in names if n != "dequant" or "float" not in names]):
-                tbl.measure(ms, rows)
+                tbl.measure(ms, rows, opt_out)
                 dirty = True
         if dirty and table is None:
             tbl.save()
@@ -307,10 +313,11 @@ def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int,
         if force != "auto" and force in ok:
             chosen[key] = [(None, force)]
             continue
+        ok -= opt_out
         r = tbl.ranges(ms[0], ok, stack_rows, rows_for[key]) if tbl is not None else None
         chosen[key] = r if r is not None else default_rules(ms[0], allow_float_copy=float_copy_budget > 0)
 
-    _fit_float_copies(chosen, by_key, tbl, float_copy_budget, stack_rows, rows_for)
+    _fit_float_copies(chosen, by_key, tbl, float_copy_budget, stack_rows, rows_for, opt_out)
     for key, ms in by_key.items():
         for m in ms:
             m.plan = build_plan(m, chosen[key])
@@ -329,7 +336,8 @@ def build_describe(ranges: list[tuple[int | None, str]]) -> str:
     return ", ".join(out)
 
 
-def _fit_float_copies(chosen, by_key, tbl: KernelTable | None, budget: int, stack_rows: int, rows_for) -> None:
+def _fit_float_copies(chosen, by_key, tbl: KernelTable | None, budget: int, stack_rows: int, rows_for,
+                      opt_out: set[str] = frozenset()) -> None:
     """Drop "float" from shapes (best saving per byte kept first) until their copies fit `budget`."""
     def cost(key):
         m = by_key[key][0]
@@ -357,6 +365,6 @@ def _fit_float_copies(chosen, by_key, tbl: KernelTable | None, budget: int, stac
             kept += cost(key)
             continue
         m = by_key[key][0]
-        ok = {k.name for k in candidates(m)} - {"float"}
+        ok = {k.name for k in candidates(m)} - {"float"} - opt_out
         r = tbl.ranges(m, ok, stack_rows, rows_for[key]) if tbl is not None else None
         chosen[key] = r if r is not None else default_rules(m, allow_float_copy=False)

@@ -147,9 +147,9 @@ def _set_c_ops(model, on: bool) -> None:
 def _build_stack(model, kv_caches, cap: int) -> tuple | None:
     """The ctypes layer table for kernels.decode_layers, and the most rows it may take: every layer a
     plain pre-norm block (no bias, q/k norm or input scale) whose four linears' plans run tf_qgemm
-    from 1 row up; the rows are the smallest qgemm range among them, capped. None if it can't."""
+    (or tf_qdot, through tf_qgemm's flag) from 1 row up; the rows are the smallest qgemm range among them, capped. None if it can't."""
     from tokenfab.kernels.linear import KernelLinear
-    from tokenfab.kernels.tuning import default_plan
+    from tokenfab.kernels.tuning import STACK_KERNELS, default_plan
 
     cfg = model.config
     if cfg.qk_norm or cfg.qkv_bias or cfg.head_dim > kernels.MAX_HEAD_DIM or cfg.head_dim % 2 \
@@ -174,7 +174,7 @@ def _build_stack(model, kv_caches, cap: int) -> tuple | None:
                 lin.plan = default_plan(lin)
             first = lin.plan.choices[0]
             layout = first.state
-            if first.kernel.name != "qgemm" or kernels.layout_in_features(layout) != lin.in_features:
+            if first.kernel.name not in STACK_KERNELS or kernels.layout_in_features(layout) != lin.in_features:
                 return None
             if first.max_rows is not None:
                 rows = min(rows, first.max_rows)

@@ -5,6 +5,10 @@ measured table (tokenfab/kernels/tuning.py), not here:
 - **qgemm**: tokenfab's C kernel (tokenfab/kernels/cpu.c, `tf_qgemm`): reads int4 / int8 / Q8_0 blocks
   directly, activations as int16 per block of 32 (relative error ~2^-16: KL 3e-7 against float on the
   bundled model, where bf16 activations give 1e-3). 8 rows per pass over the weight: decode steps.
+- **qdot**: tf_qdot (cpu.c), llama.cpp's approach: int8 activation blocks of 32 with their own scale,
+  integer dot products against int4 / int8 / Q8_0 / Q4_K / Q6_K blocks (vpdpbusd on VNNI builds,
+  AVX2 maddubs otherwise). Lossy (int8 activations): opt-in (EngineConfig.int8_activations), and then
+  the table needs it LOSSY_MARGIN faster.
 - **packed**: torch's CPU weight-only kernels, `_weight_int8pack_mm` (int8, one scale per output
   channel) and `_weight_int4pack_mm_for_cpu` (int4 in groups, w = (q - 8) * scale + zero; Q8_0 as two
   int4 halves). They read the quantized bytes directly; activations are rounded to bf16 on the way in
@@ -24,7 +28,7 @@ from tokenfab import kernels as cpu_kernels
 from tokenfab.kernels.linear import KQUANT_FORMATS, register
 
 KERNEL_ALIASES = {"cpu": "qgemm"}     # the C kernel's name before the registry (CLI --kernel cpu)
-KERNELS = ("auto", "qgemm", "cpu", "packed", "float", "dequant")   # what `quant eval --kernel` offers
+KERNELS = ("auto", "qgemm", "cpu", "qdot", "packed", "float", "dequant")   # what `quant eval --kernel` offers
 
 
 def _on_cpu(layer) -> bool:
@@ -57,6 +61,41 @@ class QGemm:
         if bits == 4 and x.shape[1] != q.shape[1] * 2:          # int4 rows padded to whole groups
             x = F.pad(x, (0, q.shape[1] * 2 - x.shape[1]))
         return cpu_kernels.qgemm(x, q, d, m, gs, bits, layer.out_features)
+
+
+class QDot:
+    """tf_qdot (tokenfab/kernels/cpu.c): llama.cpp's approach, int8 activation blocks of 32 with their
+    own scale times the stored int4 / int8 / Q8_0 / Q4_K / Q6_K blocks in integer dot products
+    (vpdpbusd with VNNI, AVX2 maddubs otherwise). Opt-in: the int8 activations cost KL 3.5e-3 against
+    float on the bundled model (docs/quant.md), so the table measures and chooses it only with
+    EngineConfig.int8_activations, and then, being lossy, only where it is LOSSY_MARGIN faster than the
+    precise kernels. linear_kernel="qdot" forces it."""
+    name, formats, tune_max_rows, float_copy = "qdot", ("int8", "int4", "q8_0", "q4_k", "q6_k"), 64, False
+    rank, lossy, opt_in = 1, True, True
+
+    def supports(self, layer):
+        why = QGemm().supports(layer)
+        if why is not None:
+            return why
+        if "avx2" not in cpu_kernels.compiled_features():
+            return "its integer dot products need an AVX2 build of tokenfab's C kernels"
+        bits = layer.cpu_layout()[4]
+        if bits in cpu_kernels.KQUANT_BLOCK_BYTES and bits not in cpu_kernels.QDOT_KQUANT_TYPES:
+            return "it multiplies Q4_K and Q6_K blocks, not this K-quant type"
+        return None
+
+    def prepare(self, layer):
+        q, d, m, gs, bits = layer.cpu_layout()
+        return q, d, m, gs, bits | cpu_kernels.QDOT_FLAG      # the flag: the decode stack runs tf_qdot too
+
+    def run(self, state, x, layer):
+        if x.dtype is not torch.float32:
+            return self.run(state, x.float(), layer).to(x.dtype)
+        q, d, m, gs, bits = state
+        bits &= ~cpu_kernels.QDOT_FLAG
+        if bits == 4 and x.shape[1] != q.shape[1] * 2:
+            x = F.pad(x, (0, q.shape[1] * 2 - x.shape[1]))
+        return cpu_kernels.qdot(x, q, d, m, gs, bits, layer.out_features)
 
 
 class Packed:
@@ -94,7 +133,7 @@ class W8A8:
         return w8a8_linear(x, state).to(x.dtype)
 
 
-for _k in (QGemm(), Packed(), W8A8()):
+for _k in (QGemm(), QDot(), Packed(), W8A8()):
     register(_k)
 
 
