@@ -11,6 +11,7 @@
 # setting on CPUs with bf16 units: avx512_bf16 / amx_bf16), anything else both.
 #   bash benchmarks/vs_anchors.sh [OUT_DIR]
 #   VLLM=0 bash benchmarks/vs_anchors.sh [OUT_DIR]      # llama.cpp and tokenfab only
+#   INT8ACT=1 bash benchmarks/vs_anchors.sh [OUT_DIR]   # also tokenfab --int8-activations
 set -euo pipefail
 OUT=${1:-/tmp/tokenfab-vs-anchors}
 ANCHORS=${ANCHORS:-$(dirname "$0")/../../shared/anchors}
@@ -56,6 +57,12 @@ fi
 tokenfab serve --port "$PORT" --no-access-log --log-level warning >"$OUT/tokenfab.log" 2>&1 & PID=$!
 wait_up; load tokenfab; kill $PID; wait $PID 2>/dev/null || true
 RUNS+=(tokenfab); LABELS+=,tokenfab
+# INT8ACT=1 adds a run with llama.cpp's activation scheme (int8 blocks of 32, --int8-activations; opt-in, docs/quant.md).
+if [ "${INT8ACT:-0}" = 1 ]; then
+  tokenfab serve --port "$PORT" --no-access-log --log-level warning --int8-activations >"$OUT/tokenfab-i8.log" 2>&1 & PID=$!
+  wait_up; load tokenfab-i8; kill $PID; wait $PID 2>/dev/null || true
+  RUNS+=(tokenfab-i8); LABELS+=,tokenfab-int8act
+fi
 
 for c in "${CONC[@]}" prefill; do
   echo "== $c$([ "$c" = prefill ] || echo ' stream(s)'): ${LABELS//,/ vs }"
