@@ -132,7 +132,11 @@ def _engine_info(files, args) -> dict:
     from tokenfab.config import EngineConfig
     from tokenfab.engine.engine import LLMEngine
     kw = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len)) if v}
-    engine = LLMEngine(EngineConfig(model=args.model, **kw), loaded=files)
+    # The engine reads the file itself, as `serve` does, so that the RSS it reports after load is
+    # what a server holds, not that plus this command's float copy of every weight.
+    files.weights.clear()
+    files.gguf_raw.clear()
+    engine = LLMEngine(EngineConfig(model=args.model, **kw))
     r, m = engine.kernel_report, engine.memory
     return {
         "attention_backend": engine.model.attention_backend.describe(),
