@@ -73,7 +73,7 @@ def test_kv_pool_pages_become_resident_only_where_written_in_small_pages():
 def test_a_tied_quantized_head_serves_the_embedding_rows_without_a_float_copy(bundled_files):
     from tokenfab import LLM
     from tokenfab.model.layers import HeadRowsEmbedding
-    llm = LLM(loaded=bundled_files, num_kv_blocks=64, max_model_len=256)       # auto: the file's blocks
+    llm = LLM(loaded=bundled_files, num_kv_blocks=64, max_model_len=256, adaptive_threads=False)  # auto: GGUF blocks
     m = llm.engine.model
     assert isinstance(m.embed_tokens, HeadRowsEmbedding) and m.embed_tokens.weight.numel() == 0
     ids = torch.tensor([0, 1, 17, 4095, m.config.vocab_size - 1])
@@ -100,3 +100,16 @@ def test_info_engine_says_where_memory_goes_and_rss_after_load_is_within_twice_l
     assert 0 < mem["KV pool (reserved)"] <= 65536 * 46080 / 2**20 + 0.1
     if "process RSS after load" in mem:                # Linux with glibc
         assert mem["process RSS after load"] * 2**20 < 622e6
+
+
+def test_memory_flags_map_onto_engine_config_fields():
+    import argparse
+
+    from tokenfab.engine_args import add_engine_args, engine_config_from_args
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    cfg = engine_config_from_args(p.parse_args(["--float-cache-memory", "0", "--kv-cache-memory-fraction", "0.1",
+                                                "--kv-cache-memory-max", "1GiB", "--float-cache-memory-fraction", "0.5"]))
+    assert (cfg.float_cache_memory, cfg.kv_cache_memory_fraction, cfg.kv_cache_memory_max,
+            cfg.float_cache_memory_fraction) == (0, 0.1, 1 << 30, 0.5)
+    assert engine_config_from_args(p.parse_args(["--float-cache-memory", "1GiB"])).float_cache_memory == 1 << 30

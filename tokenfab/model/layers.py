@@ -101,7 +101,8 @@ class HeadRowsEmbedding(nn.Module):
         self.register_buffer("weight", torch.empty(0, dtype=dtype, device=_device_of(source)), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.source.embedding(ids, self.weight.dtype)
+        # float32 first, then the compute dtype: the same rounding as the float copy it replaces
+        return self.source.embedding(ids, torch.float32).to(self.weight.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows of the tied {type(self.source).__name__}"
