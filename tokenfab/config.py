@@ -20,7 +20,12 @@ class EngineConfig:
     block_size: int = 16                     # tokens per KV block
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    kv_cache_memory: int | None = None       # bytes for the KV pool; None: a safe share of free memory
+    kv_cache_memory: int | None = None       # bytes for the KV pool (vLLM: kv_cache_memory_bytes, on CPU
+                                             # VLLM_CPU_KVCACHE_SPACE); None: what max_num_seqs x max_model_len
+                                             # needs, capped by the two knobs below
+    kv_cache_memory_fraction: float = 0.2    # ... at most this share of available memory (cf. vLLM's
+                                             # gpu_memory_utilization, but for the KV pool alone)
+    kv_cache_memory_max: int = 4 << 30       # ... and at most this many bytes
     num_kv_blocks: int | None = None         # exact pool size (overrides kv_cache_memory); mostly for tests
     kv_cache_dtype: str = "auto"             # auto (= dtype) | int8
     quantization: str = "auto"               # auto | none (float) | gguf (blocks as shipped) | int8 | int4[-g32|-g64|-g128]
@@ -39,6 +44,11 @@ class EngineConfig:
     int8_activations: bool = False           # let the table choose qdot (int8 activation blocks, llama.cpp's
                                              # approach): KL 3.5e-3 vs float on the bundled model (docs/quant.md)
     enable_float_cache: bool = True          # float32 copies of quantized weights where the table says they pay
+    float_cache_memory: int | None = None    # bytes those copies may take; None: auto, i.e. only when decode steps
+                                             # outgrow tf_qgemm's rows (max_num_seqs x (1 + drafts) > 16), then
+                                             # float_cache_memory_fraction of available memory less what the KV
+                                             # pool takes beyond its own fraction; 0: none (docs/architecture.md)
+    float_cache_memory_fraction: float = 0.25
     enable_fused_decode: bool = True         # cpu backend: the whole stack in one C call on small decode steps
     fused_decode_max_tokens: int = 16        # ... of at most this many rows (and where every linear runs qgemm)
     small_batch_tokens: int = DEFAULT_SMALL_BATCH_TOKENS   # serve --small-batch-threads: steps this small
@@ -81,6 +91,16 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("kv_cache_memory_fraction", "float_cache_memory_fraction"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ValueError(f"{name} must be a fraction in [0, 1], got {v!r}")
+        if not isinstance(self.kv_cache_memory_max, int) or self.kv_cache_memory_max < 1:
+            raise ValueError(f"kv_cache_memory_max must be a positive number of bytes, got {self.kv_cache_memory_max!r}")
+        if self.float_cache_memory is not None and (not isinstance(self.float_cache_memory, int)
+                                                    or self.float_cache_memory < 0):
+            raise ValueError(f"float_cache_memory must be a number of bytes (0: no float copies), "
+                             f"got {self.float_cache_memory!r}")
         if not 0 < self.batch_prefill_share <= 1:
             raise ValueError(f"batch_prefill_share must be in (0, 1], got {self.batch_prefill_share}")
         if self.long_prompt_threshold is not None and self.long_prompt_threshold < 2:

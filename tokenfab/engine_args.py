@@ -33,6 +33,10 @@ def parse_size(text: str) -> int:
     return value
 
 
+def _size_or_zero(text: str) -> int:
+    return 0 if str(text).strip() == "0" else parse_size(text)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -90,6 +94,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    help=f"split long prefills across steps (default: {'on' if d.enable_chunked_prefill else 'off'})")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="memory for the KV pool, e.g. 512MiB or 2GB (default: a safe share of free memory)")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=None, metavar="FRACTION",
+                   help="without --kv-cache-memory, the most of available memory the KV pool takes "
+                        f"(default: {d.kv_cache_memory_fraction})")
+    g.add_argument("--kv-cache-memory-max", type=parse_size, default=None,
+                   help=f"without --kv-cache-memory, the most bytes the KV pool takes (default: {d.kv_cache_memory_max >> 30}GiB)")
     g.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                    help="exact KV pool size in blocks (overrides --kv-cache-memory)")
     g.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default=None,
@@ -131,6 +140,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     g.add_argument("--enable-float-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="float32 copies of quantized weights where the kernel table says they pay "
                         f"(default: {'on' if d.enable_float_cache else 'off'})")
+    g.add_argument("--float-cache-memory", type=_size_or_zero, default=None,
+                   help="bytes those float copies may take, e.g. 1GiB; 0: none (default: auto, only when decode "
+                        "steps outgrow the C kernel's 16 rows: --max-num-seqs above 16)")
+    g.add_argument("--float-cache-memory-fraction", type=float, default=None, metavar="FRACTION",
+                   help=f"auto's share of available memory for them (default: {d.float_cache_memory_fraction})")
     g.add_argument("--enable-fused-decode", action=argparse.BooleanOptionalAction, default=None,
                    help=f"cpu backend: one C call for the whole stack on small decode steps "
                         f"(default: {'on' if d.enable_fused_decode else 'off'})")

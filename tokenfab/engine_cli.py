@@ -132,7 +132,11 @@ def _engine_info(files, args) -> dict:
     from tokenfab.config import EngineConfig
     from tokenfab.engine.engine import LLMEngine
     kw = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len)) if v}
-    engine = LLMEngine(EngineConfig(model=args.model, **kw), loaded=files)
+    # The engine reads the file itself, as `serve` does, so that the RSS it reports after load is
+    # what a server holds, not that plus this command's float copy of every weight.
+    files.weights.clear()
+    files.gguf_raw.clear()
+    engine = LLMEngine(EngineConfig(model=args.model, **kw))
     r, m = engine.kernel_report, engine.memory
     return {
         "attention_backend": engine.model.attention_backend.describe(),
@@ -140,7 +144,10 @@ def _engine_info(files, args) -> dict:
         "linear_kernels": {f"{k} (x{r.layers[k]})": v for k, v in r.plans.items()},
         "kernel_table": r.table_path or "none (built-in rules)",
         "memory_mib": {"weights": round(m["weights"] / 2**20, 1), "float copies": round(m["float_copies"] / 2**20, 1),
-                       "KV pool": round(m["kv_pool"] / 2**20, 1), "total": round(m["total"] / 2**20, 1)},
+                       "KV pool (reserved)": round(m["kv_pool"] / 2**20, 1), "total": round(m["total"] / 2**20, 1),
+                       **({"process RSS after load": round(m["rss_after_load"] / 2**20, 1)}
+                          if m.get("rss_after_load") else {})},
+        "float_copies": engine.float_budget_from,
         "kv_pool": f"{engine.block_manager.num_blocks * engine.config.block_size} tokens, sized from "
                    f"{engine.kv_sized_from}; pages become resident as blocks are used",
         "threads": torch_threads(),

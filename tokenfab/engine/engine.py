@@ -15,6 +15,7 @@ from tokenfab.engine.detokenizer import IncrementalDetokenizer
 from tokenfab.engine import prompt_logprobs
 from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.lanes import SERVICE_CLASSES
+from tokenfab.engine.memory import float_copy_budget, process_rss, release_freed_memory
 from tokenfab.engine.runner import ModelRunner
 from tokenfab.engine.sampler import Sampler, SampleRow
 from tokenfab.engine.scheduler import Scheduler
@@ -33,9 +34,6 @@ from tokenfab.sampling import SamplingParams
 log = logging.getLogger("tokenfab.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_KV_SHARE = 0.2          # of available memory, when kv_cache_memory is not given
-FLOAT_CACHE_SHARE = 0.25        # of available memory: the most quantized layers' float copies may take
-DEFAULT_KV_CAP = 4 << 30        # bytes; plenty for small models, and leaves room for everything else
 
 
 def available_memory(device: str) -> int:
@@ -54,16 +52,18 @@ def available_memory(device: str) -> int:
 def kv_pool_blocks(config: EngineConfig, max_len: int, block_bytes: int) -> tuple[int, str]:
     """How many KV blocks to reserve, and why: `num_kv_blocks`, else `kv_cache_memory`, else what
     `max_num_seqs` sequences of `max_len` tokens need when that is less than the free-memory share
-    (20 % of available, at most 4 GiB), else that share."""
+    (`kv_cache_memory_fraction` of available, at most `kv_cache_memory_max`), else that share."""
     if config.num_kv_blocks:
         return config.num_kv_blocks, "num_kv_blocks"
     if config.kv_cache_memory:
         return config.kv_cache_memory // block_bytes, "kv_cache_memory"
-    share = min(int(available_memory(config.device) * DEFAULT_KV_SHARE), DEFAULT_KV_CAP) // block_bytes
+    share = min(int(available_memory(config.device) * config.kv_cache_memory_fraction),
+                config.kv_cache_memory_max) // block_bytes
     need = config.max_num_seqs * -(-max_len // config.block_size)
     if need < share:
         return need, f"max_num_seqs {config.max_num_seqs} x max_model_len {max_len}"
-    return share, f"{DEFAULT_KV_SHARE:.0%} of available memory, at most {DEFAULT_KV_CAP >> 30} GiB"
+    return share, (f"kv_cache_memory_fraction {config.kv_cache_memory_fraction:.0%} of available memory, "
+                   f"at most kv_cache_memory_max {config.kv_cache_memory_max / 2**30:.3g} GiB")
 
 
 def memory_breakdown(model: torch.nn.Module, float_copy_bytes: int, kv_bytes: int) -> dict[str, int]:
@@ -166,6 +166,9 @@ class LLMEngine:
                                  config.quantization, tp=(0, tp))
         self._choose_kernels(kv_dtype, num_blocks * block_bytes)
         del files
+        if config.device == "cpu" and release_freed_memory():   # the load's float tensors, freed: hand back
+            self.memory["rss_after_load"] = process_rss() or 0
+            log.info("memory: process RSS after load %.0f MiB", self.memory["rss_after_load"] / 2**20)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy, config.batch_prefill_share,
@@ -210,11 +213,10 @@ class LLMEngine:
         """Every linear's kernels (the measured table) and the attention backend, once."""
         config, model = self.config, self.model
         pack_linears(model)           # float linears behind the kernel seam (model/layers.py)
-        float_budget = 0              # float copies of quantized weights, where the table says they pay,
-        if config.enable_float_cache and config.device == "cpu" and self.dtype == torch.float32:
-            avail = available_memory(config.device)   # in what the KV pool leaves of their joint share
-            float_budget = max(0, min(int(avail * FLOAT_CACHE_SHARE),
-                                      int(avail * (FLOAT_CACHE_SHARE + DEFAULT_KV_SHARE)) - kv_bytes))
+        float_budget, self.float_budget_from = 0, "float32 on the CPU only"  # float copies of quantized
+        if config.device == "cpu" and self.dtype == torch.float32:          # weights, where the table says
+            float_budget, self.float_budget_from = float_copy_budget(        # they pay (engine/memory.py)
+                config, available_memory(config.device), kv_bytes)
         self.kernel_report = select_kernels(
             model, max_rows=config.max_num_batched_tokens, head_max_rows=config.max_num_seqs, head=model.lm_head,
             autotune=config.kernel_autotune and config.device == "cpu", dtype=self.dtype,
@@ -231,9 +233,10 @@ class LLMEngine:
                  f" (measured in {r.measured_s:.1f} s)" if r.measured_s else "")
         self.memory = memory_breakdown(model, r.float_copy_bytes, kv_bytes)
         m = self.memory
-        log.info("memory: KV pool %.0f MiB (%d tokens, %s), weights %.0f MiB, float copies of quantized weights "
-                 "%.0f MiB", kv_bytes / 2**20, kv_bytes // self.kv_bytes_per_token, self.kv_sized_from,
-                 m["weights"] / 2**20, m["float_copies"] / 2**20)
+        log.info("memory: KV pool %.0f MiB reserved (%d tokens, %s; pages become resident as blocks are used), "
+                 "weights %.0f MiB, float copies of quantized weights %.0f MiB (budget %.0f MiB: %s)",
+                 kv_bytes / 2**20, kv_bytes // self.kv_bytes_per_token, self.kv_sized_from,
+                 m["weights"] / 2**20, m["float_copies"] / 2**20, float_budget / 2**20, self.float_budget_from)
 
     def close(self) -> None:
         """Release what outlives the object by itself: tensor-parallel worker processes. Idempotent."""

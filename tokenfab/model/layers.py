@@ -84,6 +84,36 @@ class FloatLinear(KernelLinear):
 PackedLinear = FloatLinear          # the name before the kernel seam
 
 
+class HeadRowsEmbedding(nn.Module):
+    """The token embedding served from a tied, quantized LM head: a lookup dequantizes just the rows it
+    reads (`source.embedding(ids, dtype)`), so no float copy of the [vocab, hidden] matrix is kept
+    (SmolLM2's Q8_0 head: 108 MiB saved; Gemma 3 270M's 262k x 640: 640 MiB). A gather of a few rows
+    costs nothing next to the step's GEMMs, so this pays at every batch size.
+
+    `weight` is an empty tensor that only carries the compute dtype and device (callers ask
+    `embed_tokens.weight.dtype`); the head is referenced, not registered, so it is moved, counted and
+    saved once, as `lm_head`."""
+
+    def __init__(self, source: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.__dict__["source"] = source
+        self.num_embeddings, self.embedding_dim = source.out_features, source.in_features
+        self.register_buffer("weight", torch.empty(0, dtype=dtype, device=_device_of(source)), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # float32 first, then the compute dtype: the same rounding as the float copy it replaces
+        return self.source.embedding(ids, torch.float32).to(self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the tied {type(self.source).__name__}"
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for t in list(module.buffers()) + list(module.parameters()):
+        return t.device
+    return torch.device("cpu")
+
+
 def pack_linears(model: nn.Module) -> int:
     """Swap every `nn.Linear` of a model for a `FloatLinear`, in place; returns how many.
 

@@ -77,7 +77,12 @@ def use_gguf_blocks(model, raw: dict[str, tuple[str, np.ndarray]]) -> int:
     holder[model.lm_head] = (model, "lm_head")
     head_src = "lm_head.weight" if "lm_head.weight" in raw else "model.embed_tokens.weight"
     plan.append(([head_src], model.lm_head))
-    return sum(native(srcs, lin) for srcs, lin in plan)
+    replaced = sum(native(srcs, lin) for srcs, lin in plan)
+    if head_src == "model.embed_tokens.weight" and hasattr(model.lm_head, "embedding"):
+        # tied: the head's blocks are the embedding's, so lookups read them; the float copy goes
+        from tokenfab.model.layers import HeadRowsEmbedding
+        model.embed_tokens = HeadRowsEmbedding(model.lm_head, model.embed_tokens.weight.dtype)
+    return replaced
 
 
 class ConcatLinear(nn.Module):

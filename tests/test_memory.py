@@ -1,0 +1,115 @@
+"""Where the engine's memory goes: KV pool sizing, the float-copy budget, the quantized tied embedding,
+lazily resident KV pages, and the process's RSS after load (issue 12's target: at most 2x llama.cpp)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tokenfab.config import EngineConfig
+from tokenfab.engine.engine import kv_pool_blocks
+from tokenfab.engine.memory import float_copy_budget, process_rss, release_freed_memory
+from tokenfab.engine.runner import reserve_zeros
+
+GIB = 1 << 30
+
+
+def test_kv_pool_is_sized_from_max_num_seqs_times_max_model_len_when_that_is_smaller():
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=8192, block_size=16)
+    blocks, why = kv_pool_blocks(cfg, 8192, block_bytes=1024)
+    assert blocks == 8 * 8192 // 16 and "max_num_seqs 8" in why
+
+
+def test_kv_pool_share_and_cap_come_from_engine_config():
+    need = EngineConfig(max_num_seqs=64, max_model_len=1 << 20)
+    blocks, why = kv_pool_blocks(EngineConfig(max_num_seqs=64, max_model_len=1 << 20, kv_cache_memory_max=1 << 20),
+                                 1 << 20, block_bytes=1024)
+    assert blocks == 1024 and "kv_cache_memory_max" in why          # the cap, in bytes / block bytes
+    tiny = EngineConfig(max_num_seqs=64, kv_cache_memory_fraction=0.0)
+    assert kv_pool_blocks(tiny, 1 << 20, block_bytes=1024)[0] == 0   # the engine then refuses: too small
+    assert kv_pool_blocks(need, 1 << 20, 1024)[0] > 0
+
+
+def test_float_copies_are_off_while_decode_steps_fit_the_c_kernel_and_on_beyond():
+    avail = 16 * GIB
+    assert float_copy_budget(EngineConfig(max_num_seqs=8), avail, 0)[0] == 0
+    assert float_copy_budget(EngineConfig(max_num_seqs=16), avail, 0)[0] == 0
+    on, why = float_copy_budget(EngineConfig(max_num_seqs=64), avail, 0)
+    assert on == int(avail * 0.25) and "auto" in why
+    # speculation: 4 sequences x (1 + 4 drafts) = 20 rows per decode step
+    spec = EngineConfig(max_num_seqs=4, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert float_copy_budget(spec, avail, 0)[0] > 0
+    # the KV pool beyond its own fraction comes out of the copies' share
+    assert float_copy_budget(EngineConfig(max_num_seqs=64), avail, int(avail * 0.4))[0] == int(avail * 0.05)
+
+
+def test_float_copy_budget_obeys_explicit_bytes_and_the_off_switch():
+    assert float_copy_budget(EngineConfig(max_num_seqs=8, float_cache_memory=GIB), 16 * GIB, 0) == (GIB, "float_cache_memory")
+    assert float_copy_budget(EngineConfig(max_num_seqs=64, enable_float_cache=False), 16 * GIB, 0)[0] == 0
+    assert float_copy_budget(EngineConfig(max_num_seqs=64, float_cache_memory=0), 16 * GIB, 0)[0] == 0
+
+
+@pytest.mark.parametrize("bad", [dict(kv_cache_memory_fraction=1.5), dict(float_cache_memory_fraction=-0.1),
+                                 dict(float_cache_memory=-1), dict(kv_cache_memory_max=0)])
+def test_memory_knobs_out_of_range_are_refused_with_their_name(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        EngineConfig(**bad).validate()
+
+
+def test_kv_pool_pages_become_resident_only_where_written_in_small_pages():
+    release_freed_memory()
+    before = process_rss()
+    if before is None:
+        pytest.skip("no /proc/self/status: RSS cannot be read on this OS")
+    pool = reserve_zeros((60, 1 << 20), torch.float32, "cpu")        # 240 MiB reserved, like 60 K/V slabs
+    assert process_rss() - before < 8 << 20
+    pool[:, 0] = 1.0                                                  # one element per slab
+    # 4 KiB pages: ~240 KiB; transparent huge pages would have made 60 x 2 MiB resident
+    assert process_rss() - before < 16 << 20
+    assert float(pool[:, 1].abs().sum()) == 0.0 and float(pool[:, 0].sum()) == 60.0
+
+
+def test_a_tied_quantized_head_serves_the_embedding_rows_without_a_float_copy(bundled_files):
+    from tokenfab import LLM
+    from tokenfab.model.layers import HeadRowsEmbedding
+    llm = LLM(loaded=bundled_files, num_kv_blocks=64, max_model_len=256, adaptive_threads=False)  # auto: GGUF blocks
+    m = llm.engine.model
+    assert isinstance(m.embed_tokens, HeadRowsEmbedding) and m.embed_tokens.weight.numel() == 0
+    ids = torch.tensor([0, 1, 17, 4095, m.config.vocab_size - 1])
+    # the file's Q8_0 rows, dequantized at lookup: exactly what the loader's float copy held
+    assert torch.equal(m.embed_tokens(ids), bundled_files.weights["model.embed_tokens.weight"][ids])
+    assert llm.engine.memory["weights"] < 200 << 20                   # was 282 MiB with the float copy
+    from tokenfab.sampling import SamplingParams
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert llm.engine.block_manager.num_used_blocks() == 0
+
+
+def test_info_engine_says_where_memory_goes_and_rss_after_load_is_within_twice_llama_cpp():
+    """`tokenfab info --engine` at 8 slots and an 8k context: no float copies (decode steps fit the C
+    kernel), the KV pool reserved but not resident, and the process's RSS after load under 622 MB
+    (2x llama-server -np 8 -c 8192's 311 MB on the same file)."""
+    r = subprocess.run([sys.executable, "-m", "tokenfab", "info", "--engine", "--json", "--max-num-seqs", "8",
+                        "--max-model-len", "8192"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    info = json.loads(r.stdout)
+    mem = info["memory_mib"]
+    assert mem["float copies"] == 0 and "auto" in info["float_copies"]
+    # 8 x 8192 tokens x 46,080 bytes, or less where 20 % of this machine's available memory is less
+    assert 0 < mem["KV pool (reserved)"] <= 65536 * 46080 / 2**20 + 0.1
+    if "process RSS after load" in mem:                # Linux with glibc
+        assert mem["process RSS after load"] * 2**20 < 622e6
+
+
+def test_memory_flags_map_onto_engine_config_fields():
+    import argparse
+
+    from tokenfab.engine_args import add_engine_args, engine_config_from_args
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    cfg = engine_config_from_args(p.parse_args(["--float-cache-memory", "0", "--kv-cache-memory-fraction", "0.1",
+                                                "--kv-cache-memory-max", "1GiB", "--float-cache-memory-fraction", "0.5"]))
+    assert (cfg.float_cache_memory, cfg.kv_cache_memory_fraction, cfg.kv_cache_memory_max,
+            cfg.float_cache_memory_fraction) == (0, 0.1, 1 << 30, 0.5)
+    assert engine_config_from_args(p.parse_args(["--float-cache-memory", "1GiB"])).float_cache_memory == 1 << 30

@@ -1,0 +1,75 @@
+"""Where the engine's memory goes, and giving back what loading no longer needs.
+
+- `float_copy_budget`: the bytes float32 copies of quantized weights may take (EngineConfig's
+  `float_cache_memory`, or its automatic rule).
+- `release_freed_memory`: loading reads every weight as float32 (the GGUF blocks are dequantized once,
+  540 MB for the bundled model) and then keeps the blocks; the freed float tensors stay in glibc's heap
+  as holes, and RSS keeps them. `malloc_trim` hands those pages back (223 MB on the bundled model).
+- `process_rss`: resident bytes now, from /proc (for the start-up log and `tokenfab info --engine`).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger("tokenfab.engine")
+
+# Decode steps up to this many rows run tf_qgemm on the stored blocks (tuning.QGEMM_DEFAULT_MAX_ROWS,
+# and the one-call stack's rows): a float copy there would never be read by a decode step.
+QGEMM_DECODE_ROWS = 16
+
+
+def decode_rows(config) -> int:
+    """The most rows a decode step feeds the decoder's linears: max_num_seqs x (1 + draft tokens)."""
+    k = 0
+    if config.speculative_config:
+        from tokenfab.engine.spec.config import SpeculativeConfig
+        k = SpeculativeConfig.from_dict(config.speculative_config).num_speculative_tokens
+    return config.max_num_seqs * (1 + k)
+
+
+def float_copy_budget(config, available: int, kv_bytes: int) -> tuple[int, str]:
+    """Bytes float32 copies of quantized weights may take, and why.
+
+    `float_cache_memory` given: that. Else (auto) none while every decode step fits tf_qgemm's rows
+    (the copies would only speed up prefill chunks, ~2x there, at 4 bytes per weight: the bundled model's
+    405 MiB against its 98 MB file); else `float_cache_memory_fraction` of available memory, less what
+    the KV pool takes beyond its own `kv_cache_memory_fraction`."""
+    if not config.enable_float_cache:
+        return 0, "enable_float_cache off"
+    if config.float_cache_memory is not None:
+        return config.float_cache_memory, "float_cache_memory"
+    rows = decode_rows(config)
+    if rows <= QGEMM_DECODE_ROWS:
+        return 0, (f"auto: decode steps of at most {rows} rows run tf_qgemm on the blocks; "
+                   f"set float_cache_memory for faster prefill")
+    share = config.float_cache_memory_fraction
+    budget = max(0, min(int(available * share),
+                        int(available * (share + config.kv_cache_memory_fraction)) - kv_bytes))
+    return budget, f"auto: {share:.0%} of available memory for decode steps of up to {rows} rows"
+
+
+def release_freed_memory() -> bool:
+    """Return the heap's free pages to the OS (glibc's malloc_trim); False where there is no glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
+def process_rss() -> int | None:
+    """Resident bytes of this process (Linux /proc), else None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
