@@ -177,12 +177,21 @@ def test_fused_decode_stack_declines_layers_without_a_qgemm_layout(bundled_llm):
 def test_release_thread_pool_frees_the_calling_threads_openmp_workers():
     import os
 
-    x, w = torch.randn(16, 64), torch.ones(64)
-    kernels.rms_norm(x, w, 1e-5)                 # 16 rows: a parallel region, so this thread has a pool
-    before = len(os.listdir("/proc/self/task"))
-    assert kernels.release_thread_pool()
-    assert len(os.listdir("/proc/self/task")) == before - (torch.get_num_threads() - 1)
-    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (64,), w, 1e-5))   # a new pool
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: OpenMP starts no worker threads to release")
+    # Earlier tests may leave fewer torch threads (the adaptive controller); this test needs a pool of 2+.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x, w = torch.randn(16, 64), torch.ones(64)
+        kernels.rms_norm(x, w, 1e-5)             # 16 rows: a parallel region, so this thread has a pool
+        before = len(os.listdir("/proc/self/task"))
+        assert kernels.release_thread_pool()
+        # At least the one worker of this 2-thread region goes (an earlier, larger pool frees more).
+        assert len(os.listdir("/proc/self/task")) <= before - 1
+        torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (64,), w, 1e-5))   # a new pool
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_async_engine_releases_the_loader_threads_pool_before_stepping(monkeypatch, bundled_llm):
