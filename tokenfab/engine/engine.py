@@ -167,7 +167,8 @@ class LLMEngine:
             from tokenfab.engine.spec.config import SpeculativeConfig
             from tokenfab.engine.spec.decoder import SpecDecoder
             self.spec = SpecDecoder(SpeculativeConfig.from_dict(config.speculative_config), self.max_model_len,
-                                    mcfg.vocab_size, self.model, self.runner, self.block_manager)
+                                    mcfg.vocab_size, self.model, self.runner, self.block_manager,
+                                    eos_token_ids=self.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.prompt_tokens_total = 0
