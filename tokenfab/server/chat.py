@@ -18,7 +18,7 @@ from tokenfab.server.logprobs import chat_logprobs
 from tokenfab.server.protocol import ChatCompletionRequest
 from tokenfab.server.state import ClientGone, ServerState, usage
 from tokenfab.server.streaming import ChoiceDelta, framed, sse, sse_response
-from tokenfab.server.tools import assistant_message, chat_constraints, stream_delta, template_input
+from tokenfab.server.tools import InvalidToolCalls, assistant_message, chat_constraints, stream_delta, template_input
 
 router = APIRouter()
 
@@ -26,15 +26,19 @@ router = APIRouter()
 def conversation_ids(st: ServerState, messages, add_generation_prompt: bool = True, tools=None) -> list[int]:
     """`tools`: the request's ToolPlan (server/tools.py), rendered into the prompt."""
     try:
-        msgs, template_kw = template_input(st.tokenizer, [m.as_template_input() for m in messages], tools)
+        msgs, template_kw = template_input(st.tokenizer, [m.as_template_input() for m in messages], tools,
+                                           st.config.tool_call_parser)
         ids = chat_token_ids(st.tokenizer, msgs, add_generation_prompt, **template_kw)
+    except InvalidToolCalls as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_tool_calls") from None
     except ValueError as e:
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
     except Exception as e:                  # a template that fails on this input (jinja raise_exception)
         raise APIError(400, f"the chat template rejected these messages: {e}", param="messages",
-                       code="invalid_value") from None
+                       code="chat_template_error") from None
     if not ids:
-        raise APIError(400, "the chat template produced an empty prompt", param="messages", code="invalid_value")
+        raise APIError(400, "the chat template produced an empty prompt", param="messages",
+                       code="chat_template_error")
     return ids
 
 
