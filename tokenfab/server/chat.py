@@ -49,7 +49,7 @@ async def create_chat_completion(request: Request) -> Response:
     req: ChatCompletionRequest = await st.parse(request, ChatCompletionRequest)
     st.check_model(req.model)
     st.check_supported(req)
-    st.check_priority(req.priority)
+    service_class = st.request_class(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     vocab = st.engine.model_config.vocab_size
@@ -68,7 +68,7 @@ async def create_chat_completion(request: Request) -> Response:
 
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     access = request.state.access = {"id": rid, "prompt_tokens": len(ids), "output_tokens": 0}
-    (stream,) = await st.start(rid, [ids], params, req.priority, arrival, req.service_class)
+    (stream,) = await st.start(rid, [ids], params, req.priority, arrival, service_class)
     if req.stream:
         return sse_response(framed(_stream(st, req, rid, stream, top_n, params.n, access, arrival, tools),
                                    [stream], access), rid)
