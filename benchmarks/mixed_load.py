@@ -12,6 +12,7 @@ but its noise does not: repeat before believing a ratio near a target.
 
     python benchmarks/mixed_load.py
     python benchmarks/mixed_load.py --num-prompts 48 --batch-lines 128
+    python benchmarks/mixed_load.py --quick        # a smoke run (a few minutes): it works, the numbers mean little
 """
 from __future__ import annotations
 
@@ -51,7 +52,12 @@ def main() -> None:
     ap.add_argument("--long-fraction", type=float, default=0.05)
     ap.add_argument("--long-input-len", type=int, default=1024)
     ap.add_argument("--serve-flags", default="--max-num-seqs 16 --long-prompt-threshold 512 --max-long-prefill-tokens 128")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: 8 prompts, 8 output tokens, 16 batch lines, 600-token long prompts")
     args = ap.parse_args()
+    if args.quick:
+        args.num_prompts, args.output_len, args.batch_lines, args.batch_output_len = 8, 8, 16, 16
+        args.long_input_len, args.long_fraction = 600, 0.25
 
     with tempfile.TemporaryDirectory() as tmp, \
             serve(os.path.join(tmp, "serve.log"), "--data-dir", os.path.join(tmp, "data"), "--no-ui",
