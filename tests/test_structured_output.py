@@ -20,7 +20,8 @@ pytestmark = pytest.mark.timeout(900)
 # bounded so every document fits in MAX_TOKENS: a fractional number's digits through `multipleOf`,
 # which llguidance enforces exactly (no more fraction digits, no runs of trailing zeros). Without it the
 # grammar allows any number of digits, and at temperature 1 a small model may write them until
-# max_tokens (finish_reason "length"; docs/structured_output.md).
+# max_tokens (finish_reason "length"; docs/structured_output.md). The steps are powers of two because
+# Python's jsonschema checks multipleOf in binary floating point (2.1266 / 0.0001 is not an integer there).
 SCHEMAS = {
     "person": {"type": "object", "additionalProperties": False,
                "required": ["name", "age", "role", "address", "tags"],
@@ -32,8 +33,8 @@ SCHEMAS = {
                                "properties": {
                                    "city": {"type": "string", "maxLength": 16},
                                    "geo": {"type": "object", "additionalProperties": False, "required": ["lat", "lon"],
-                                           "properties": {"lat": {"type": "number", "minimum": -90, "maximum": 90, "multipleOf": 0.0001},
-                                                          "lon": {"type": "number", "minimum": -180, "maximum": 180, "multipleOf": 0.0001}}}}},
+                                           "properties": {"lat": {"type": "number", "minimum": -90, "maximum": 90, "multipleOf": 0.0625},
+                                                          "lon": {"type": "number", "minimum": -180, "maximum": 180, "multipleOf": 0.0625}}}}},
                    "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 3}}},
     "order": {"type": "object", "additionalProperties": False, "required": ["id", "items", "paid"],
               "properties": {
@@ -42,7 +43,7 @@ SCHEMAS = {
                             "items": {"type": "object", "additionalProperties": False, "required": ["sku", "qty", "price"],
                                       "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
                                                      "qty": {"type": "integer", "minimum": 1, "maximum": 9},
-                                                     "price": {"type": "number", "exclusiveMinimum": 0, "maximum": 1000, "multipleOf": 0.01}}}},
+                                                     "price": {"type": "number", "exclusiveMinimum": 0, "maximum": 1000, "multipleOf": 0.25}}}},
                   "paid": {"type": "boolean"},
                   "note": {"type": ["string", "null"], "maxLength": 20}}},
 }
