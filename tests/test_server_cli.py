@@ -126,3 +126,10 @@ def test_small_batch_threads_flag_defaults_to_all_threads():
     assert small_batch_threads(3) == 3
     with pytest.raises(ValueError, match="small-batch-threads"):
         small_batch_threads(-1)
+
+
+def test_unknown_tool_call_parser_is_a_clear_error_before_the_model_loads():
+    r = subprocess.run([sys.executable, "-m", "tokenfab.cli", "serve", "--port", "0", "--tool-call-parser", "nope"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "unknown tool-call parser 'nope'; known: hermes" in r.stderr and "Traceback" not in r.stderr

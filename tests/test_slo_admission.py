@@ -1,17 +1,22 @@
 """Admission by predicted TTFT (server/slo.py): a tiny step-cost model and a queue decide 429 or admit."""
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from tokenfab.engine.kv_cache import BlockManager
+from tokenfab.engine.lanes import service_class_of
+from tokenfab.engine.sequence import Sequence
 from tokenfab.plan.step_table import MeasuredStepCost
+from tokenfab.sampling import SamplingParams
 from tokenfab.server.app import build_app
 from tokenfab.server.config import ServerConfig
 from tokenfab.server.errors import APIError
 from tokenfab.server.launch import ServerThread
-from tokenfab.server.slo import QueueSnapshot, SloAdmission, predict_ttft
+from tokenfab.server.slo import QueueSnapshot, SloAdmission, cached_prompt_tokens, predict_ttft
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -93,3 +98,91 @@ def test_server_sheds_interactive_with_429_and_runs_flex(server):
     assert 'tokenfab:slo_requests_finished_total{service_class="batch"} 1.0' in metrics
     assert 'tokenfab:slo_requests_shed_total 1.0' in metrics
     assert 'tokenfab:slo_ttft_p99_seconds{kind="predicted",service_class="interactive"}' in metrics
+
+
+def test_a_request_waiting_for_a_sequence_slot_waits_for_the_earliest_finishes():
+    # 4 interactive sequences decode with 10, 20, 30, 40 tokens left; max_num_seqs 4: the next one waits
+    # 10 decode steps (4 tokens each: 4 ms), then its 100-token prefill rides with the 4 decodes (104 ms).
+    full = QueueSnapshot(decodes=4, mean_context=100, interactive_seqs=4, max_num_seqs=4,
+                         slot_free_steps=(10, 20, 30, 40))
+    assert full.slot_wait_steps() == 10
+    assert predict_ttft(TINY, full, 100, 512) == pytest.approx(10 * 0.004 + 0.104)
+    # One more queued ahead of it: the second slot to free is its own.
+    ahead = replace(full, interactive_seqs=5)
+    assert ahead.slot_wait_steps() == 20
+    assert predict_ttft(TINY, ahead, 100, 512) == pytest.approx(20 * 0.004 + 0.104)
+    # A free slot, or no cap: no wait.
+    for snap in (replace(full, max_num_seqs=5), replace(full, max_num_seqs=None)):
+        assert snap.slot_wait_steps() == 0 and predict_ttft(TINY, snap, 100, 512) == pytest.approx(0.104)
+
+
+def test_the_queue_ahead_runs_while_a_request_waits_for_its_slot():
+    # 600 prefill tokens ahead take 2 steps (508 + 92 beside 4 decodes); the slot frees after 3 steps.
+    snap = QueueSnapshot(interactive_prefill=600, decodes=4, mean_context=100, interactive_seqs=4,
+                         max_num_seqs=4, slot_free_steps=(3,))
+    assert predict_ttft(TINY, snap, 100, 512) == pytest.approx(0.512 + 0.096 + 0.004 + 0.104)
+
+
+def test_snapshot_counts_interactive_slots_and_their_steps_left_but_not_batch_ones():
+    def s(cls, computed, tokens, out, max_tokens):
+        return SimpleNamespace(service_class=cls, num_computed_tokens=computed, num_tokens=tokens,
+                               num_output_tokens=out, max_tokens=max_tokens)
+    running = [s("interactive", 50, 51, 5, 30), s("interactive", 70, 71, 2, 10), s("batch", 40, 41, 1, 100)]
+    waiting = [s("interactive", 0, 20, 0, 16), s("batch", 0, 300, 0, 16)]
+    sched = SimpleNamespace(running=running, waiting=waiting, batch_prefill_share=1.0, max_num_seqs=3)
+    snap = QueueSnapshot.of(sched, 512)
+    assert (snap.interactive_seqs, snap.max_num_seqs, snap.slot_free_steps) == (3, 3, (8, 25))
+    assert (snap.decodes, snap.interactive_prefill, snap.batch_chunk) == (3, 20, 300)
+    assert snap.slot_wait_steps() == 8
+
+
+def test_prefix_cache_hits_are_not_counted_as_prefill():
+    assert predict_ttft(TINY, QUEUE, 100, 512, cached_tokens=64) == pytest.approx(3.036)
+    slo = admission(3050)
+    with pytest.raises(APIError):
+        slo.admit(100, "interactive")                               # 3.1 s > 3.05 s
+    slo.admit(100, "interactive", cached_tokens=64)                 # 3.036 s: admitted
+
+
+def test_cached_prompt_tokens_are_the_leading_full_blocks_the_block_manager_holds():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    first = Sequence("a", 0, list(range(10)), SamplingParams(), max_tokens=4)
+    assert bm.allocate(first, first.num_tokens)
+    first.num_computed_tokens = first.num_tokens
+    bm.cache_full_blocks(first)                                     # blocks [0..3] and [4..7] are full
+    bm.free_seq(first)
+    assert cached_prompt_tokens(bm, [list(range(12))]) == 8
+    assert cached_prompt_tokens(bm, [list(range(8))]) == 4          # at least one token is computed
+    assert cached_prompt_tokens(bm, [[0, 1, 2, 3, 9, 9, 9, 9, 9]], n=2) == 8
+    assert cached_prompt_tokens(bm, [[7] * 12]) == 0
+    assert bm.num_used_blocks() == 0
+
+
+def test_priority_picks_the_class_when_service_tier_leaves_it_to_the_server():
+    assert service_class_of(None, 0) == service_class_of("auto", -5) == "interactive"
+    assert service_class_of(None, 1) == service_class_of("auto", 100) == "batch"     # vLLM: larger is later
+    assert service_class_of("default", 100) == "interactive" and service_class_of("flex", -5) == "batch"
+    assert service_class_of(None, 7, batch_priority=10) == "interactive"
+    assert service_class_of(None, 10, batch_priority=10) == "batch"
+    assert service_class_of(None, 10**6, batch_priority=None) == "interactive"
+
+
+def test_server_routes_priority_to_the_batch_class_and_never_sheds_it(server):
+    srv, slo = server
+    slo.online.cost = TINY
+    slo.online.snapshot = QueueSnapshot(time=1e18, interactive_prefill=3000)
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
+    before = dict(slo.finished)
+    with httpx.Client(base_url=srv.url, timeout=120) as http:
+        assert http.post("/v1/completions", json={**body, "priority": 1}).status_code == 200      # batch: waits
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "priority": 5}
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+        slo.online.cost = TINY                                       # the steps above refreshed both
+        slo.online.snapshot = QueueSnapshot(time=1e18, interactive_prefill=3000)
+        r = http.post("/v1/completions", json={**body, "priority": 5, "service_tier": "default"})
+        assert r.status_code == 429                                  # an explicit tier wins: interactive, shed
+        r = http.post("/v1/completions", json={**body, "priority": -1})
+        err = r.json()["error"]                                      # FCFS: no order within a class to give it
+        assert r.status_code == 400 and (err["param"], err["code"]) == ("priority", "unsupported")
+    assert slo.finished["batch"] == before["batch"] + 2
+    assert slo.finished["interactive"] == before["interactive"]

@@ -9,7 +9,9 @@ import pytest
 
 from tokenfab.server.errors import APIError
 from tokenfab.server.tool_parsers import HermesToolParser
-from tokenfab.server.tools import plan_tools, template_input
+from tokenfab.server.config import ServerConfig
+from tokenfab.server.tool_parsers import PARSERS, parser_for
+from tokenfab.server.tools import InvalidToolCalls, plan_tools, template_input
 
 TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris", "opts": {"n": [1, 2]}}}'
         '\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>\n')
@@ -123,3 +125,42 @@ def test_a_tool_aware_template_gets_tools_and_tool_calls_natively(bundled_tokeni
     out, kw = template_input(tok, msgs, plan_tools(req()))
     text = tok.apply_chat_template(out, tokenize=False, **kw)
     assert "TOOL get_weather\nTOOL add\n" in text and "CALL get_weather(Oslo)" in text
+
+
+@pytest.mark.parametrize("call", [{"type": "function"}, "get_weather()", {"function": {"arguments": "{}"}}])
+def test_malformed_tool_calls_in_history_name_the_message_and_call(bundled_tokenizer, call):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    with pytest.raises(InvalidToolCalls) as e:
+        template_input(bundled_tokenizer, msgs, None)
+    assert e.value.param == "messages[1].tool_calls[0]" and "messages[1]" in str(e.value)
+
+
+def test_template_failures_and_bad_tool_calls_are_400s_with_their_own_codes(bundled_tokenizer):
+    import copy
+
+    from tokenfab.server.chat import conversation_ids
+    from tokenfab.server.protocol import ChatMessage
+    tok = copy.deepcopy(bundled_tokenizer)
+    tok.chat_template = "{{ raise_exception('this template takes no system messages') }}"
+    st = SimpleNamespace(tokenizer=tok, config=ServerConfig())
+    with pytest.raises(APIError) as e:
+        conversation_ids(st, [ChatMessage(role="system", content="be brief")])
+    assert (e.value.status, e.value.code, e.value.param) == (400, "chat_template_error", "messages")
+    assert "no system messages" in e.value.message
+    tok.chat_template = "{% for m in messages %}{% endfor %}"
+    with pytest.raises(APIError) as e:
+        conversation_ids(st, [ChatMessage(role="user", content="hi")])
+    assert (e.value.code, e.value.param) == ("chat_template_error", "messages") and "empty" in e.value.message
+    st.tokenizer = bundled_tokenizer
+    bad = ChatMessage(role="assistant", content="", tool_calls=[{"type": "function"}])
+    with pytest.raises(APIError) as e:
+        conversation_ids(st, [ChatMessage(role="user", content="hi"), bad])
+    assert (e.value.code, e.value.param) == ("invalid_tool_calls", "messages[1].tool_calls[0]")
+
+
+def test_tool_call_parser_is_chosen_by_name_and_unknown_names_are_refused():
+    assert isinstance(parser_for(None, "hermes"), PARSERS["hermes"])
+    assert isinstance(plan_tools(req(), "hermes").parser, PARSERS["hermes"])
+    with pytest.raises(ValueError, match="unknown tool-call parser 'mistral'; known: hermes"):
+        ServerConfig(tool_call_parser="mistral").validate()
+    ServerConfig(tool_call_parser="hermes").validate()

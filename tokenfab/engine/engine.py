@@ -191,7 +191,7 @@ class LLMEngine:
                 draft = (draft_model, ModelRunner(draft_model, num_blocks, config.block_size, kv_dtype, config.device))
                 del draft_files
             self.spec = SpecDecoder(spec_cfg, self.max_model_len, mcfg.vocab_size, self.model, self.runner,
-                                    self.block_manager, draft)
+                                    self.block_manager, draft, eos_token_ids=self.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.prompt_tokens_total = 0

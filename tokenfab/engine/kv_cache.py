@@ -51,12 +51,20 @@ class BlockManager:
         """Blocks holding the longest cached prefix of `seq`, leaving at least one token to compute."""
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []   # cached K/V would skip the positions whose logits score the prompt
+        return self.cached_blocks(seq.token_ids)
+
+    def cached_blocks(self, token_ids: list[int]) -> list[int]:
+        """The cached full blocks a sequence of `token_ids` would reuse (at least one token left to
+        compute). Read-only: the SLO admission also calls it from the server's event loop while the
+        engine thread steps; a block evicted meanwhile only makes the answer stale."""
+        if not self.enable_prefix_caching:
+            return []
         bs = self.block_size
-        max_blocks = (seq.num_tokens - 1) // bs   # at least one token must run to produce logits
+        max_blocks = (len(token_ids) - 1) // bs   # at least one token must run to produce logits
         blocks: list[int] = []
         parent = None
         for i in range(max_blocks):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = self.chain_hash(parent, tokens)
             b = self.hash_to_block.get(h)
             if b is None or self.block_tokens[b] != tokens:

@@ -18,6 +18,19 @@ BATCH = "batch"
 SERVICE_CLASSES = (INTERACTIVE, BATCH)
 # OpenAI's service_tier values and the class each maps to ("flex": cheaper, slower, may wait).
 SERVICE_TIERS = {None: INTERACTIVE, "auto": INTERACTIVE, "default": INTERACTIVE, "flex": BATCH}
+DEFAULT_BATCH_PRIORITY = 1     # vLLM's priority: lower runs first, 0 the default; at or above this: batch
+
+
+def service_class_of(service_tier: str | None, priority: int, batch_priority: int | None = DEFAULT_BATCH_PRIORITY) -> str:
+    """The class of an HTTP request. An explicit service_tier ("default" or "flex") decides; with none
+    or "auto" (OpenAI's "let the server choose"), a `priority` at or above `batch_priority` (vLLM's
+    convention: a larger value is less urgent) makes it batch, anything else is interactive.
+    `batch_priority` None: priority never changes the class."""
+    if service_tier in ("default", "flex"):
+        return SERVICE_TIERS[service_tier]
+    if batch_priority is not None and priority >= batch_priority:
+        return BATCH
+    return INTERACTIVE
 
 
 def class_rank(seq) -> int:

@@ -108,18 +108,26 @@ class GrammarCompiler:
 
     # -- masks ------------------------------------------------------------------------------------
     def masks(self, seqs) -> "PendingMasks | None":
-        """Token masks for the constrained sequences among `seqs` (a step's sampling sequences, in logits
-        row order), or None when none is constrained. With `overlap`, they are computed in a worker
-        thread while the caller runs the forward pass; `.result()` joins it."""
-        rows = [i for i, s in enumerate(seqs) if getattr(s, "grammar", None) is not None]
+        """Token masks for the constrained sequences among `seqs` (a step's sampling sequences), or None
+        when none is constrained. Rows are logits rows: a sequence carrying k draft tokens (engine/spec)
+        owns k + 1 rows, and row i's mask is its grammar's after drafts[:i] (see fill_bitmask). With
+        `overlap`, they are computed in a worker thread while the caller runs the forward pass;
+        `.result()` joins it."""
+        rows, work = [], []
+        r = 0
+        for s in seqs:
+            drafts = list(getattr(s, "spec_tokens", None) or ())
+            if getattr(s, "grammar", None) is not None:
+                rows.extend(range(r, r + 1 + len(drafts)))
+                work.append((s.grammar, drafts))
+            r += 1 + len(drafts)
         if not rows:
             return None
-        matchers = [seqs[i].grammar for i in rows]
         if not self.overlap:
-            return PendingMasks(rows, fill_bitmask(matchers, self.vocab_size))
+            return PendingMasks(rows, fill_bitmask(work, self.vocab_size))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenfab-masks")
-        return PendingMasks(rows, self._pool.submit(fill_bitmask, matchers, self.vocab_size))
+        return PendingMasks(rows, self._pool.submit(fill_bitmask, work, self.vocab_size))
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice list",
@@ -153,14 +161,41 @@ class PendingMasks:
         return self.rows, bm
 
 
-def fill_bitmask(matchers: list, vocab_size: int) -> torch.Tensor:
-    """[len(matchers), ceil(vocab/32)] int32: bit t of row r set when matcher r allows token t."""
+def fill_bitmask(work: list, vocab_size: int) -> torch.Tensor:
+    """[rows, ceil(vocab/32)] int32 for (matcher, draft tokens) pairs: 1 + len(drafts) rows each, bit t
+    of a row set when the matcher allows token t there. Row i of a pair is the mask after drafts[:i]:
+    the drafts are consumed one by one and rolled back afterwards, so the matcher ends where it began.
+    The drafts were cut to their grammar-valid prefix, without EOS, when proposed (valid_draft_prefix)."""
     words = (vocab_size + 31) // 32
-    bm = torch.empty((len(matchers), words), dtype=torch.int32)
+    bm = torch.empty((sum(1 + len(d) for _, d in work), words), dtype=torch.int32)
     ptr, row_bytes = bm.data_ptr(), words * 4
-    for r, m in enumerate(matchers):
+    r = 0
+    for m, drafts in work:
         m.unsafe_compute_mask_ptr(ptr + r * row_bytes, row_bytes)
+        r += 1
+        for d in drafts:
+            ok = m.consume_token(d)
+            assert ok, f"draft token {d} is not grammar-valid: drafts are cut when proposed (valid_draft_prefix)"
+            m.unsafe_compute_mask_ptr(ptr + r * row_bytes, row_bytes)
+            r += 1
+        if drafts:
+            m.rollback(len(drafts))
     return bm
+
+
+def valid_draft_prefix(matcher, drafts: list[int], eos_token_ids) -> list[int]:
+    """The longest prefix of `drafts` the matcher accepts from its current state, cut before any EOS
+    (the target's own token ends a document: llguidance does not count an EOS it consumed, so it could
+    not be rolled back) and before anything past a completed grammar. The matcher's state is unchanged."""
+    n = matcher.validate_tokens(drafts)      # never consume a forbidden token: it leaves the matcher in error
+    keep = 0
+    for d in drafts[:n]:
+        if d in eos_token_ids or matcher.is_stopped() or not matcher.consume_token(d):
+            break
+        keep += 1
+    if keep:
+        matcher.rollback(keep)
+    return drafts[:keep]
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor,

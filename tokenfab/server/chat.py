@@ -18,7 +18,7 @@ from tokenfab.server.logprobs import chat_logprobs
 from tokenfab.server.protocol import ChatCompletionRequest
 from tokenfab.server.state import ClientGone, ServerState, usage
 from tokenfab.server.streaming import ChoiceDelta, framed, sse, sse_response
-from tokenfab.server.tools import assistant_message, chat_constraints, stream_delta, template_input
+from tokenfab.server.tools import InvalidToolCalls, assistant_message, chat_constraints, stream_delta, template_input
 
 router = APIRouter()
 
@@ -26,15 +26,19 @@ router = APIRouter()
 def conversation_ids(st: ServerState, messages, add_generation_prompt: bool = True, tools=None) -> list[int]:
     """`tools`: the request's ToolPlan (server/tools.py), rendered into the prompt."""
     try:
-        msgs, template_kw = template_input(st.tokenizer, [m.as_template_input() for m in messages], tools)
+        msgs, template_kw = template_input(st.tokenizer, [m.as_template_input() for m in messages], tools,
+                                           st.config.tool_call_parser)
         ids = chat_token_ids(st.tokenizer, msgs, add_generation_prompt, **template_kw)
+    except InvalidToolCalls as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_tool_calls") from None
     except ValueError as e:
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
     except Exception as e:                  # a template that fails on this input (jinja raise_exception)
         raise APIError(400, f"the chat template rejected these messages: {e}", param="messages",
-                       code="invalid_value") from None
+                       code="chat_template_error") from None
     if not ids:
-        raise APIError(400, "the chat template produced an empty prompt", param="messages", code="invalid_value")
+        raise APIError(400, "the chat template produced an empty prompt", param="messages",
+                       code="chat_template_error")
     return ids
 
 
@@ -45,7 +49,7 @@ async def create_chat_completion(request: Request) -> Response:
     req: ChatCompletionRequest = await st.parse(request, ChatCompletionRequest)
     st.check_model(req.model)
     st.check_supported(req)
-    st.check_priority(req.priority)
+    service_class = st.request_class(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     vocab = st.engine.model_config.vocab_size
@@ -64,7 +68,7 @@ async def create_chat_completion(request: Request) -> Response:
 
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     access = request.state.access = {"id": rid, "prompt_tokens": len(ids), "output_tokens": 0}
-    (stream,) = await st.start(rid, [ids], params, req.priority, arrival, req.service_class)
+    (stream,) = await st.start(rid, [ids], params, req.priority, arrival, service_class)
     if req.stream:
         return sse_response(framed(_stream(st, req, rid, stream, top_n, params.n, access, arrival, tools),
                                    [stream], access), rid)

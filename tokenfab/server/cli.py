@@ -56,6 +56,13 @@ def add_parser(subparsers) -> None:
                         "slo_unattainable with Retry-After at once (batch-class requests wait) (default: none)")
     g.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
                    help="interactive time-per-output-token target, enforced the same way (default: none)")
+    g.add_argument("--batch-priority", type=_int_or_none, default=1, metavar="N|none",
+                   help="a request whose priority is at least N (vLLM's convention: larger is less urgent) and "
+                        "whose service_tier is auto or unset runs in the batch class; none: priority never picks "
+                        "the class (default: 1)")
+    g.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="how tool calls are written and parsed (vLLM's flag): "
+                        f"{', '.join(sorted(_tool_parsers()))} (default: chosen by the chat template; hermes)")
     b = p.add_argument_group("batch API (/v1/files, /v1/batches; docs/batch.md)")
     b.add_argument("--data-dir", metavar="DIR",
                    help="keep batch files and jobs here (SQLite + files); a restarted server resumes unfinished "
@@ -104,9 +111,25 @@ def server_config_from_args(args: argparse.Namespace):
                           max_n=args.max_n, max_request_sequences=args.max_request_sequences,
                           ui=args.ui, data_dir=args.data_dir, batch_max_file_bytes=args.batch_max_file_bytes,
                           batch_max_total_bytes=args.batch_max_total_bytes, batch_concurrency=args.batch_concurrency,
-                          slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+                          slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+                          tool_call_parser=args.tool_call_parser,
+                          batch_priority=args.batch_priority)
     config.validate()
     return config
+
+
+def _int_or_none(text: str) -> int | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or none, got {text!r}") from None
+
+
+def _tool_parsers() -> dict:
+    from tokenfab.server.tool_parsers import PARSERS
+    return PARSERS
 
 
 def small_batch_threads(flag: int | None) -> int | None:

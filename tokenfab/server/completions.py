@@ -35,7 +35,7 @@ async def create_completion(request: Request) -> Response:
     st.check_supported(req)
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
-    st.check_priority(req.priority)
+    service_class = st.request_class(req)
     prompts = req.prompts()
     vocab = st.engine.model_config.vocab_size
     check_request(req, st.config, len(prompts), vocab)
@@ -52,7 +52,7 @@ async def create_completion(request: Request) -> Response:
 
     rid = f"cmpl-{uuid.uuid4().hex}"
     access = request.state.access = {"id": rid, "prompt_tokens": sum(map(len, prompt_ids)), "output_tokens": 0}
-    streams = await st.start(rid, prompt_ids, params, req.priority, arrival, req.service_class)
+    streams = await st.start(rid, prompt_ids, params, req.priority, arrival, service_class)
     echoes = [p if isinstance(p, str) else st.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)] \
         if req.echo else None
     if req.stream:

@@ -27,6 +27,8 @@ class ServerConfig:
     batch_concurrency: int | None = None     # batch lines in the engine at once; None: the engine's max_num_seqs
     slo_ttft_ms: float | None = None         # interactive TTFT target: shed (429) what cannot meet it (server/slo.py)
     slo_tpot_ms: float | None = None         # interactive TPOT target
+    batch_priority: int | None = 1           # priority at or above this (service_tier auto/none): batch class; None: never
+    tool_call_parser: str | None = None      # server/tool_parsers.py PARSERS name; None: chosen by the chat template
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -48,5 +50,7 @@ class ServerConfig:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be a positive number of milliseconds, got {v}")
+        from tokenfab.server.tool_parsers import check_parser_name
+        check_parser_name(self.tool_call_parser)
         if any(not k for k in self.api_keys):
             raise ValueError("an API key must not be empty")

@@ -44,7 +44,7 @@ class SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
-    service_tier: str | None = None         # auto | default: interactive; flex: the batch class (engine/lanes.py)
+    service_tier: str | None = None         # default: interactive; flex: batch; auto/none: by priority (engine/lanes.py)
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -11,6 +11,11 @@ target cannot be met, and report predicted and achieved latency and goodput per 
   step carries. Requests admitted since that snapshot are added on the event loop.
 - A new interactive request's TTFT is the time of the steps that clear the interactive prefill
   ahead of it and its own prompt, each step also carrying the running decodes and the batch chunk.
+  Its own prompt counts without the leading full blocks the prefix cache already holds (asked of
+  the block manager at admission), and it cannot start before a sequence slot is free: with
+  `max_num_seqs` interactive sequences running or queued ahead, it waits the decode steps until
+  enough running ones reach their max_tokens (a bound: one that stops early frees its slot sooner).
+  Batch sequences hold no slot against it (they are preempted for interactive work).
   Over `--slo-ttft-ms` (or, with `--slo-tpot-ms`, when one more decode would make the step slower
   than the target), it gets 429 `slo_unattainable` with `Retry-After`, at once: never a silent
   multi-second queue. Batch-class requests are never shed; they wait.
@@ -21,7 +26,7 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -35,6 +40,7 @@ REFIT_EVERY = 64
 WINDOW = 1024
 LATENCY_WINDOW = 1000          # requests per class behind the P99 gauges
 MAX_SIMULATED_STEPS = 4096
+SLOT_HORIZON = 64              # running interactive sequences whose remaining steps a snapshot keeps
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,13 +50,21 @@ class QueueSnapshot:
     decodes: int = 0                   # running sequences past their prefill
     mean_context: float = 0.0
     batch_chunk: int = 0               # batch prefill tokens a step carries (capped by its share)
+    interactive_seqs: int = 0          # interactive sequences running or waiting: each holds or claims a slot
+    max_num_seqs: int | None = None    # the scheduler's sequence cap (None: no cap)
+    slot_free_steps: tuple[int, ...] = ()   # running interactive sequences' tokens left to max_tokens, ascending
 
     @classmethod
     def of(cls, scheduler, budget: int) -> "QueueSnapshot":
-        pending, decodes, ctx, batch_left = 0, 0, 0, 0
+        pending, decodes, ctx, batch_left, inter, left_steps = 0, 0, 0, 0, 0, []
+        running = set(map(id, scheduler.running))
         for s in list(scheduler.running) + list(scheduler.waiting):
             left = s.num_tokens - s.num_computed_tokens
-            if s in scheduler.running and left <= 1:
+            if s.service_class != BATCH:
+                inter += 1
+                if id(s) in running:
+                    left_steps.append(max(1, s.max_tokens - s.num_output_tokens))
+            if id(s) in running and left <= 1:
                 decodes += 1
                 ctx += s.num_computed_tokens
             elif s.service_class == BATCH:
@@ -58,27 +72,53 @@ class QueueSnapshot:
             else:
                 pending += left
         cap = budget if scheduler.batch_prefill_share >= 1 else int(budget * scheduler.batch_prefill_share)
-        return cls(time.monotonic(), pending, decodes, ctx / decodes if decodes else 0.0, min(batch_left, cap))
+        return cls(time.monotonic(), pending, decodes, ctx / decodes if decodes else 0.0, min(batch_left, cap),
+                   inter, scheduler.max_num_seqs, tuple(sorted(left_steps)[:SLOT_HORIZON]))
+
+    def slot_wait_steps(self) -> int:
+        """Decode steps before a new interactive sequence gets a slot under max_num_seqs."""
+        need = self.interactive_seqs + 1 - self.max_num_seqs if self.max_num_seqs else 0
+        if need <= 0:
+            return 0
+        if not self.slot_free_steps:       # slots held by sequences still queued: no estimate, no wait
+            return 0
+        k = min(need, len(self.slot_free_steps))
+        # Beyond the horizon, slots free in waves of the slowest known sequence.
+        return self.slot_free_steps[k - 1] * math.ceil(need / k)
 
 
-def predict_ttft(cost, snap: QueueSnapshot, prompt_tokens: int, budget: int) -> float:
-    """Seconds until a prompt queued behind `snap.interactive_prefill` tokens gets its first token."""
-    work = snap.interactive_prefill + prompt_tokens
+def cached_prompt_tokens(block_manager, prompts: list[list[int]], n: int = 1) -> int:
+    """Prompt tokens a prefix-cache hit will skip: each prompt's leading cached full blocks, for each of
+    its n sequences (the first of them registers nothing new before the others are admitted)."""
+    bs = block_manager.block_size
+    return n * sum(len(block_manager.cached_blocks(ids)) * bs for ids in prompts)
+
+
+def predict_ttft(cost, snap: QueueSnapshot, prompt_tokens: int, budget: int, cached_tokens: int = 0) -> float:
+    """Seconds until a prompt queued behind `snap.interactive_prefill` tokens gets its first token.
+    `cached_tokens` of the prompt are a prefix-cache hit and cost nothing; the prompt's own prefill
+    starts once a sequence slot is free (`slot_wait_steps`), meanwhile the steps carry the decodes
+    and whatever prefill is ahead of it."""
+    own = max(1, prompt_tokens - cached_tokens) if prompt_tokens else 0
+    work = snap.interactive_prefill + own
     room = max(1, budget - snap.decodes - snap.batch_chunk)
+    wait = snap.slot_wait_steps()
     total, steps = 0.0, 0
     while work > 0 and steps < MAX_SIMULATED_STEPS:
-        chunk = min(work, room)
+        startable = work if steps >= wait else work - own     # no slot yet: only the queue ahead runs
+        chunk = min(startable, room)
         shape = StepShape()
         if snap.decodes:
             shape.add(int(snap.mean_context), 1, snap.decodes)
         if snap.batch_chunk:
             shape.add(0, snap.batch_chunk)
-        shape.add(0, chunk)
+        if chunk:
+            shape.add(0, chunk)
         total += cost.step_time(shape)
         work -= chunk
         steps += 1
     if work > 0:                       # a very deep queue: the rest at the last step's rate
-        total += total / steps * math.ceil(work / room)
+        total += total / steps * (max(0, wait - steps) + math.ceil(work / room))
     return total
 
 
@@ -126,7 +166,7 @@ class SloAdmission:
 
     def __init__(self, online: OnlineStepCost, ttft_s: float | None, tpot_s: float | None) -> None:
         self.online, self.ttft_s, self.tpot_s = online, ttft_s, tpot_s
-        self._admitted: deque[tuple[float, int]] = deque()     # (time, prompt tokens) not yet in a snapshot
+        self._admitted: deque[tuple[float, int]] = deque()     # interactive (time, prompt tokens) not yet in a snapshot
         self._lock = threading.Lock()
         self.classes: dict[str, str] = {}                       # engine request id -> service class
         self.predicted = {c: deque(maxlen=LATENCY_WINDOW) for c in SERVICE_CLASSES}
@@ -141,16 +181,17 @@ class SloAdmission:
         while self._admitted and self._admitted[0][0] <= snap.time:
             self._admitted.popleft()
         extra = sum(n for _, n in self._admitted)
-        return QueueSnapshot(snap.time, snap.interactive_prefill + extra, snap.decodes, snap.mean_context,
-                             snap.batch_chunk)
+        return replace(snap, interactive_prefill=snap.interactive_prefill + extra,
+                       interactive_seqs=snap.interactive_seqs + len(self._admitted))
 
-    def admit(self, prompt_tokens: int, service_class: str) -> None:
-        """Raise a 429 when an interactive request's target cannot be met; record the prediction."""
+    def admit(self, prompt_tokens: int, service_class: str, cached_tokens: int = 0) -> None:
+        """Raise a 429 when an interactive request's target cannot be met; record the prediction.
+        `cached_tokens`: of the prompt tokens, those a prefix-cache hit will skip (cached_prompt_tokens)."""
         cost = self.online.cost
         if cost is None:
             return                                              # not calibrated yet: admit
         snap = self._snapshot()
-        ttft = predict_ttft(cost, snap, prompt_tokens, self.online.budget)
+        ttft = predict_ttft(cost, snap, prompt_tokens, self.online.budget, cached_tokens)
         self.predicted[service_class].append(ttft)
         if service_class == INTERACTIVE:
             why = None
@@ -166,7 +207,8 @@ class SloAdmission:
                 raise APIError(429, f"{why[0]} with the current load; retry in {retry} s, or send it with "
                                     "service_tier \"flex\" to queue it instead", code="slo_unattainable",
                                headers={"Retry-After": str(retry)})
-        self._admitted.append((time.monotonic(), prompt_tokens))
+        if service_class == INTERACTIVE:
+            self._admitted.append((time.monotonic(), max(0, prompt_tokens - cached_tokens)))
 
     def track(self, request_ids: list[str], service_class: str) -> None:
         for rid in request_ids:

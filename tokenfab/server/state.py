@@ -128,11 +128,20 @@ class ServerState:
                 param = renames[param]
             raise APIError(400, msg, param=param, code="invalid_value") from None
 
-    def check_priority(self, priority: int) -> None:
+    def request_class(self, req) -> str:
+        """The request's service class (engine/lanes.py service_class_of), with its priority checked:
+        under FCFS a priority may only pick the batch class (at or above --batch-priority), since there
+        is no order within a class to give it."""
+        from tokenfab.engine.lanes import BATCH, service_class_of
+        threshold = self.config.batch_priority
+        cls = service_class_of(req.service_tier, req.priority, threshold)
         policy = getattr(getattr(self.engine, "config", None), "scheduling_policy", "fcfs")
-        if priority != 0 and policy != "priority":
-            raise APIError(400, "priority needs the server started with --scheduling-policy priority",
-                           param="priority", code="unsupported")
+        picks_class = threshold is not None and req.priority >= threshold
+        if req.priority != 0 and policy != "priority" and not picks_class:
+            raise APIError(400, "priority needs the server started with --scheduling-policy priority"
+                           + (f" (or, to send it as batch work, at least {threshold})" if threshold is not None
+                              and cls != BATCH else ""), param="priority", code="unsupported")
+        return cls
 
     # -- running ---------------------------------------------------------------------------------
     async def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
@@ -140,7 +149,10 @@ class ServerState:
         """Queue one engine request per prompt (ids `request_id` or `request_id-i`); all or none."""
         self.check_available()
         if self.slo is not None:
-            self.slo.admit(sum(map(len, prompts)) * params.n, service_class)
+            from tokenfab.server.slo import cached_prompt_tokens
+            cached = 0 if params.prompt_logprobs is not None else \
+                cached_prompt_tokens(self.engine.block_manager, prompts, params.n)
+            self.slo.admit(sum(map(len, prompts)) * params.n, service_class, cached)
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):

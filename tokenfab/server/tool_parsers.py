@@ -213,8 +213,16 @@ def merge_deltas(deltas: list[dict]) -> list[dict]:
 PARSERS = {"hermes": HermesToolParser}
 
 
-def parser_for(chat_template: str | None) -> HermesToolParser:
-    """The parser for a model's chat template. Every family supported so far writes Hermes-style calls
-    (and templates without a tool format get tokenfab's Hermes-style prompt), so this is `hermes`; a new
-    family adds its class to PARSERS and a rule here."""
-    return PARSERS["hermes"]()
+def check_parser_name(name: str | None) -> None:
+    """`--tool-call-parser` (vLLM's flag): None (choose by the template) or a registered name."""
+    if name is not None and name not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(sorted(PARSERS))}")
+
+
+def parser_for(chat_template: str | None, name: str | None = None) -> HermesToolParser:
+    """The parser `name` (--tool-call-parser), else the one for a model's chat template. Every family
+    supported so far writes Hermes-style calls (and templates without a tool format get tokenfab's
+    Hermes-style prompt), so the default is `hermes`; a new family adds its class to PARSERS (which
+    makes it a valid --tool-call-parser value) and, to be chosen by default, a rule here."""
+    check_parser_name(name)
+    return PARSERS[name or "hermes"]()

@@ -64,7 +64,7 @@ class ToolPlan:
         return StructuredOutputParams(grammar=f"start: call{repeat}\ncall: {call}\n")
 
 
-def plan_tools(req) -> ToolPlan | None:
+def plan_tools(req, parser_name: str | None = None) -> ToolPlan | None:
     """Validate tools / tool_choice; None when the request has no tools (or tool_choice none and no tools)."""
     tools, choice = req.tools, req.tool_choice
     if not tools:
@@ -107,7 +107,7 @@ def plan_tools(req) -> ToolPlan | None:
         raise APIError(400, f"tool_choice {choice!r} is not none, auto, required or a named function",
                        param="tool_choice", code="invalid_value")
     return ToolPlan([{"type": "function", "function": t["function"]} for t in tools], choice, named,
-                    req.parallel_tool_calls, parser_for(None))
+                    req.parallel_tool_calls, parser_for(None, parser_name))
 
 
 async def check_tool_schemas(engine, plan: ToolPlan) -> None:
@@ -124,9 +124,25 @@ def template_supports_tools(tokenizer) -> bool:
     return isinstance(tpl, str) and "tools" in tpl
 
 
-def template_input(tokenizer, messages: list[dict], plan: ToolPlan | None) -> tuple[list[dict], dict]:
-    """(messages, extra apply_chat_template kwargs) for the conversation and the tools."""
-    parser = plan.parser if plan else HermesToolParser()
+class InvalidToolCalls(ValueError):
+    """An assistant message's `tool_calls` that cannot be rendered; `param` names it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def template_input(tokenizer, messages: list[dict], plan: ToolPlan | None,
+                   parser_name: str | None = None) -> tuple[list[dict], dict]:
+    """(messages, extra apply_chat_template kwargs) for the conversation and the tools; InvalidToolCalls
+    for a history message whose tool_calls are malformed."""
+    parser = plan.parser if plan else parser_for(None, parser_name)
+    for k, m in enumerate(messages):       # checked here, once, whichever way they are rendered below
+        for i, c in enumerate(m.get("tool_calls") or ()):
+            try:
+                _call_fields(c, i)
+            except ValueError as e:
+                raise InvalidToolCalls(f"messages[{k}].{e}", f"messages[{k}].tool_calls[{i}]") from None
     tools = plan.tools if plan and plan.choice != "none" else None
     if template_supports_tools(tokenizer):
         msgs = [_native_message(m) for m in messages]
@@ -181,7 +197,7 @@ async def chat_constraints(st, req) -> tuple[ToolPlan | None, StructuredOutputPa
     """The tool plan and the structured-output spec of a chat request, both checked (compiled) before
     anything is queued: a bad schema or tool_choice is a 400 naming its field."""
     from tokenfab.server.structured import check_compiles, requested_structure
-    plan = plan_tools(req)
+    plan = plan_tools(req, st.config.tool_call_parser)
     spec, param = requested_structure(req)
     forced = plan.structure() if plan else None
     if forced is not None:

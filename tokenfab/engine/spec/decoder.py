@@ -24,6 +24,7 @@ from tokenfab.engine.spec.config import SpeculativeConfig
 from tokenfab.engine.spec.ngram import NgramProposer
 from tokenfab.engine.spec.policy import AdaptivePolicy, SeqSpecState
 from tokenfab.engine.spec.verify import accept_greedy, accept_sampled, target_probs
+from tokenfab.engine.structured import apply_token_bitmask, valid_draft_prefix
 
 
 @dataclass(slots=True)
@@ -37,10 +38,11 @@ class SpecStats:
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, vocab_size: int, model=None, runner=None,
-                 block_manager=None, draft=None) -> None:
+                 block_manager=None, draft=None, eos_token_ids: list[int] = ()) -> None:
         """`draft`: (draft model, its ModelRunner) for method "draft" (the engine builds them: it sizes
         the KV pools)."""
         self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)   # never drafted for a grammar (valid_draft_prefix)
         self.k_max = config.num_speculative_tokens
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         draft_cost = 0.0             # the proposer's cost per draft token, in plain decode steps
@@ -74,8 +76,7 @@ class SpecDecoder:
         seqs, ks = [], []
         room = self.config.max_step_rows - len(decoding)      # draft rows this step may add
         for seq in decoding:
-            # Structured output is not speculated: its grammar masks the plain row only.
-            if not seq.params.speculative or seq.grammar is not None:
+            if not seq.params.speculative:
                 continue
             if seq.spec_state is None:
                 seq.spec_state = SeqSpecState()
@@ -90,19 +91,28 @@ class SpecDecoder:
                 ks[i] = max(0, min(k, room))
                 room -= ks[i]
             for seq, drafts in zip(seqs, self.proposer.propose_batch(seqs, ks) if seqs else []):
-                seq.spec_tokens = drafts
+                seq.spec_tokens = self._grammar_cut(seq, drafts)
         else:
             for seq, k in zip(seqs, ks):
                 if room <= 0:
                     break
-                seq.spec_tokens = self.proposer.propose(seq.token_ids, min(k, room))
+                seq.spec_tokens = self._grammar_cut(seq, self.proposer.propose(seq.token_ids, min(k, room)))
                 room -= len(seq.spec_tokens)
+
+    def _grammar_cut(self, seq, drafts: list[int]) -> list[int]:
+        """Structured output: drafts up to the first one the sequence's grammar forbids. Verification
+        then masks each of the k + 1 rows with the grammar's state after the drafts before it
+        (structured.fill_bitmask), so every token accepted is one the grammar allows there."""
+        if seq.grammar is None or not drafts:
+            return drafts
+        return valid_draft_prefix(seq.grammar, drafts, self.eos_token_ids)
 
     # -- 2. verify ---------------------------------------------------------------------------------
     def sample(self, sampler: Sampler, logits: torch.Tensor, sampling_seqs: list,
                token_bitmask: tuple[list[int], torch.Tensor] | None = None) -> list[list[SampledToken]]:
         """Tokens per sampling sequence; `logits` has 1 + len(seq.spec_tokens) rows per sequence.
-        `token_bitmask`: the structured-output masks by sampling-sequence index (never speculating ones)."""
+        `token_bitmask`: the structured-output masks by logits row (a speculating sequence's k + 1 rows
+        each have their own; engine/structured.py)."""
         plain_idx, plain_rows, spec = [], [], []
         r = 0
         for i, seq in enumerate(sampling_seqs):
@@ -117,19 +127,29 @@ class SpecDecoder:
         if plain_rows:
             rows = logits if not spec else logits[torch.tensor(plain_idx, device=logits.device)]
             plain = [i for i, s in enumerate(sampling_seqs) if not s.spec_tokens]
-            if token_bitmask is not None:       # re-index the masked rows among the plain ones
-                where = {i: j for j, i in enumerate(plain)}
-                token_bitmask = ([where[i] for i in token_bitmask[0]], token_bitmask[1])
-            for i, tok in zip(plain, sampler(rows, plain_rows, token_bitmask)):
+            plain_mask = None
+            if token_bitmask is not None:       # re-index the plain masked rows among the plain rows
+                where = {r: j for j, r in enumerate(plain_idx)}
+                picked = [(where[r], m) for m, r in enumerate(token_bitmask[0]) if r in where]
+                if picked:
+                    plain_mask = ([j for j, _ in picked], token_bitmask[1][[m for _, m in picked]])
+            for i, tok in zip(plain, sampler(rows, plain_rows, plain_mask)):
                 out[i] = [tok]
         for i, r in spec:
             seq = sampling_seqs[i]
-            out[i] = self._verify(sampler, logits[r:r + 1 + len(seq.spec_tokens)], seq)
+            n = 1 + len(seq.spec_tokens)
+            mask = None
+            if token_bitmask is not None and seq.grammar is not None:
+                m0 = token_bitmask[0].index(r)         # its k + 1 rows are consecutive
+                mask = (list(range(n)), token_bitmask[1][m0:m0 + n])
+            out[i] = self._verify(sampler, logits[r:r + n], seq, mask)
         return out
 
-    def _verify(self, sampler: Sampler, logits: torch.Tensor, seq) -> list[SampledToken]:
+    def _verify(self, sampler: Sampler, logits: torch.Tensor, seq, mask=None) -> list[SampledToken]:
         drafts, p = seq.spec_tokens, seq.params
         x = logits[:, : self.vocab_size]
+        if mask is not None:   # grammar first, as in the sampler: filters, acceptance and logprobs see only allowed tokens
+            x = apply_token_bitmask(x, *mask, sampler.eos_token_ids)
         out = seq.output_token_ids
         # Row i is scored as if d_1..d_i were already output: penalties and min_tokens see them.
         rows = [SampleRow(p, seq.prompt_token_ids, out + drafts[:i], seq.generator) for i in range(len(drafts) + 1)]
