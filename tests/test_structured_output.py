@@ -179,7 +179,7 @@ def test_mask_forbids_ids_past_the_tokenizer_in_a_padded_vocabulary(bundled_llm)
     # Logits wider than the mask (a padded LM head): the extra ids are never allowed.
     compiler = bundled_llm.engine.structured
     m = compiler.compile(Structured(choice=["yes", "no"])).matcher()
-    bitmask = fill_bitmask([m], compiler.vocab_size)
+    bitmask = fill_bitmask([(m, [])], compiler.vocab_size)    # no drafts: one row
     logits = torch.zeros(1, compiler.vocab_size + 96)
     out = apply_token_bitmask(logits, [0], bitmask, [2])
     allowed = torch.isfinite(out[0]).nonzero()[:, 0].tolist()
