@@ -113,16 +113,18 @@ def ratio(a, b) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short run that checks the parts work end to end")
-    ap.add_argument("--rate", type=float, default=None, help="Poisson requests/s for part 1 (default: 4; quick: 2)")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="Poisson requests/s (default: 1.5, about one 1-core replica's capacity here; quick: 2)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="requests per run (default: 60; quick: 16)")
     ap.add_argument("--parts", default="1,2,3", help="which parts to run (default 1,2,3)")
     ap.add_argument("--engine-flags", default="--max-num-seqs 16",
                     help="engine flags for every server (default: --max-num-seqs 16)")
     ap.add_argument("--out", help="write all numbers as JSON here")
     args = ap.parse_args()
     q = args.quick
-    n = 16 if q else 200
-    out_len = "16" if q else "64"
-    rate = args.rate or (2.0 if q else 4.0)
+    n = args.num_prompts or (16 if q else 60)
+    out_len = "16" if q else "32"
+    rate = args.rate or (2.0 if q else 1.5)
     parts = {int(p) for p in args.parts.split(",")}
     engine = args.engine_flags.split()
     results: dict = {"quick": q, "rate": rate, "num_prompts": n}
@@ -131,7 +133,7 @@ def main() -> int:
 
     if 1 in parts:
         print("\n1. scale-out: 1 vs 2 replicas, Poisson", rate, "req/s", flush=True)
-        load = ["--dataset", "random", "--input-len", "128" if q else "256", "--output-len", out_len,
+        load = ["--dataset", "random", "--input-len", "128", "--output-len", out_len,
                 "--num-prompts", str(n), "--request-rate", str(rate)]
         part = {}
         for reps in (1, 2):
@@ -168,7 +170,7 @@ def main() -> int:
         results["prefix_affinity"] = part
 
     if 3 in parts:
-        long_len = 768 if q else 3000
+        long_len = 768 if q else 1536
         threshold = long_len // 2
         print(f"\n3. long pool on/off: 2 replicas, 5% prompts of {long_len} tokens", flush=True)
         load = ["--dataset", "mixed", "--long-fraction", "0.05", "--long-input-len", str(long_len),

@@ -70,3 +70,17 @@ def make_tiny_model(kind: str, folder: str, tokenizer, seed: int = 0):
     with open(os.path.join(folder, "config.json")) as f:
         assert json.load(f)["model_type"] == model_type
     return model
+
+
+def record_steps(llm) -> list:
+    """Wrap `llm`'s scheduler so every ScheduledBatch it returns is appended to the returned list."""
+    steps = []
+    original = llm.engine.scheduler.schedule
+
+    def spy():
+        batch = original()
+        steps.append(batch)
+        return batch
+
+    llm.engine.scheduler.schedule = spy
+    return steps

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from tokenfab import LLM, SamplingParams
+from tests.oracle import record_steps
 
 NEW = 16
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
@@ -41,15 +42,7 @@ def test_32_mixed_prompts_batched_match_one_at_a_time(bundled_llm, reference):
 
 def test_tiny_token_budget_forces_chunked_prefill_and_matches(bundled_files, reference):
     llm = LLM(loaded=bundled_files, quantization="none", max_model_len=1024, num_kv_blocks=1024, max_num_batched_tokens=24)
-    steps = []
-    original = llm.engine.scheduler.schedule
-
-    def spy():
-        batch = original()
-        steps.append(batch)
-        return batch
-
-    llm.engine.scheduler.schedule = spy
+    steps = record_steps(llm)
     assert run(llm) == reference
     # Some step mixed a prefill chunk with decodes, and no step went over the budget.
     assert any(1 in b.num_new_tokens and any(n > 1 for n in b.num_new_tokens) for b in steps)

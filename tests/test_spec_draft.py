@@ -8,6 +8,7 @@ import random
 import pytest
 
 from tokenfab import LLM, SamplingParams
+from tests.oracle import record_steps
 
 pytestmark = pytest.mark.timeout(900)
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -91,15 +92,7 @@ def test_greedy_batched_matches_plain_token_for_token(target, draft, reference):
 @pytest.mark.slow
 def test_greedy_with_chunked_prefills_matches(target, draft, reference):
     llm = draft_llm(target, draft, max_num_batched_tokens=24)
-    steps = []
-    original = llm.engine.scheduler.schedule
-
-    def spy():
-        batch = original()
-        steps.append(batch)
-        return batch
-
-    llm.engine.scheduler.schedule = spy
+    steps = record_steps(llm)
     assert tokens(run(llm)) == reference
     assert max(len(llm.engine.tokenize(p)) for p in PROMPTS) > 24      # so some prompt ran in chunks
     assert all(b.total_tokens <= 24 for b in steps)

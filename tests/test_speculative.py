@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tokenfab import LLM, SamplingParams
+from tests.oracle import record_steps
 
 pytestmark = pytest.mark.timeout(1200)     # several engines on the bundled model; slow on shared cores
 NEW = 64
@@ -85,15 +86,7 @@ def test_greedy_batched_matches_plain_token_for_token(bundled_files, reference, 
 @METHODS
 def test_greedy_under_tiny_token_budget_chunks_prefills_and_matches(bundled_files, reference, method):
     llm = spec_llm(bundled_files, max_num_batched_tokens=24, spec=method)
-    steps = []
-    original = llm.engine.scheduler.schedule
-
-    def spy():
-        batch = original()
-        steps.append(batch)
-        return batch
-
-    llm.engine.scheduler.schedule = spy
+    steps = record_steps(llm)
     assert tokens(run(llm)) == reference
     assert_speculated(llm)
     assert all(b.total_tokens <= 24 for b in steps)
