@@ -116,6 +116,8 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=None,
                     help="Poisson requests/s (default: 1.5, about one 1-core replica's capacity here; quick: 2)")
     ap.add_argument("--num-prompts", type=int, default=None, help="requests per run (default: 60; quick: 16)")
+    ap.add_argument("--num-prefixes", type=int, default=16,
+                    help="shared prefixes in part 2 (default: 16; with few, every replica soon caches them all)")
     ap.add_argument("--parts", default="1,2,3", help="which parts to run (default 1,2,3)")
     ap.add_argument("--engine-flags", default="--max-num-seqs 16",
                     help="engine flags for every server (default: --max-num-seqs 16)")
@@ -149,7 +151,7 @@ def main() -> int:
 
     if 2 in parts:
         print("\n2. prefix affinity on/off: 2 replicas, shared-prefix dataset", flush=True)
-        load = ["--dataset", "shared-prefix", "--num-prefixes", "4", "--prefix-len", "256" if q else "512",
+        load = ["--dataset", "shared-prefix", "--num-prefixes", str(args.num_prefixes), "--prefix-len", "256" if q else "512",
                 "--input-len", "32", "--output-len", out_len, "--num-prompts", str(n),
                 "--request-rate", str(rate)]
         part = {}
