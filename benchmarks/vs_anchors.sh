@@ -13,13 +13,18 @@
 #   VLLM=0 bash benchmarks/vs_anchors.sh [OUT_DIR]      # llama.cpp and tokenfab only
 #   INT8ACT=1 bash benchmarks/vs_anchors.sh [OUT_DIR]   # also tokenfab --int8-activations
 set -euo pipefail
+# llama.cpp's AMX kernels (chosen through weight repacking where the CPU reports AMX) die with SIGILL on
+# VMs that report AMX but do not enable its tile state; LLAMA_ARG_REPACK=0 (--no-repack) avoids them.
 OUT=${1:-/tmp/tokenfab-vs-anchors}
 ANCHORS=${ANCHORS:-$(dirname "$0")/../../shared/anchors}
 ANCHORS_DIR=${ANCHORS_DIR:-$HOME/.cache/tokenfab-anchors}
 mkdir -p "$OUT"
 PORT=8765
 
-wait_up() { for _ in $(seq 1200); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return; sleep 0.5; done; exit 1; }
+# Waits for the server started last ($PID); stops the script at once if it died (a crash, a bad flag).
+wait_up() { for _ in $(seq 1200); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return
+                                      kill -0 "$PID" 2>/dev/null || { echo "server exited: see $OUT/*.log" >&2; exit 1; }
+                                      sleep 0.5; done; exit 1; }
 CONC=(1 ${CONC:-8 32 64})
 load() {  # NAME
   for c in "${CONC[@]}"; do

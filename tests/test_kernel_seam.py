@@ -32,6 +32,7 @@ TOLERANCE = {"onednn": 1e-5, "torch": 1e-6, "float": 1e-5, "dequant": 1e-6,
              "qgemm": 1e-4,       # activations as int16 per block of 32
              "qdot": 1e-2,        # activations as int8 per block of 32 (tests/test_qdot_kernels.py checks it exactly)
              "packed": 2 ** -7,   # activations and scales rounded to bfloat16
+             "bf16": 2 ** -7,     # activations and the weight copy rounded to bfloat16
              "w8a8": 0.05}        # activations as int8 per row
 
 

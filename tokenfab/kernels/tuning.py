@@ -338,12 +338,16 @@ def build_describe(ranges: list[tuple[int | None, str]]) -> str:
 
 def _fit_float_copies(chosen, by_key, tbl: KernelTable | None, budget: int, stack_rows: int, rows_for,
                       opt_out: set[str] = frozenset()) -> None:
-    """Drop "float" from shapes (best saving per byte kept first) until their copies fit `budget`."""
+    """Drop the float copies ("float", "bf16") from shapes (best saving per byte kept first) until they fit
+    `budget`."""
+    copies = {k.name: k.copy_bytes for k in registered() if k.float_copy}   # bytes per weight
+
     def cost(key):
         m = by_key[key][0]
-        return 4 * m.in_features * m.out_features * len(by_key[key])
+        per = sum(copies[n] for n in {n for _, n in chosen[key]} if n in copies)
+        return per * m.in_features * m.out_features * len(by_key[key])
 
-    users = [k for k, r in chosen.items() if any(n == "float" for _, n in r)]
+    users = [k for k, r in chosen.items() if any(n in copies for _, n in r)]
     if not users:
         return
 
@@ -353,11 +357,11 @@ def _fit_float_copies(chosen, by_key, tbl: KernelTable | None, budget: int, stac
             return 0.0
         s = 0.0
         for i in range(len(e["rows"])):
-            f = e["times"].get("float", [None] * len(e["rows"]))[i]
-            others = [t[i] for n, t in e["times"].items() if n != "float" and t[i] is not None]
-            if f is not None and others:
-                s += max(0.0, min(others) - f)
-        return s / cost(key)
+            f = [e["times"][n][i] for n in copies if n in e["times"] and e["times"][n][i] is not None]
+            others = [t[i] for n, t in e["times"].items() if n not in copies and t[i] is not None]
+            if f and others:
+                s += max(0.0, min(others) - min(f))
+        return s / max(cost(key), 1)
 
     kept = 0
     for key in sorted(users, key=saving, reverse=True):
@@ -365,6 +369,6 @@ def _fit_float_copies(chosen, by_key, tbl: KernelTable | None, budget: int, stac
             kept += cost(key)
             continue
         m = by_key[key][0]
-        ok = {k.name for k in candidates(m)} - {"float"} - opt_out
+        ok = {k.name for k in candidates(m)} - set(copies) - opt_out
         r = tbl.ranges(m, ok, stack_rows, rows_for[key]) if tbl is not None else None
         chosen[key] = r if r is not None else default_rules(m, allow_float_copy=False)
