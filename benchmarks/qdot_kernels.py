@@ -24,24 +24,13 @@ import torch
 from tokenfab import kernels
 from tokenfab.kernels.linear import forced_plan, onednn_linear, onednn_pack
 
+from quant_kernels import time_calls      # a sibling script: this folder is sys.path[0] when run
+
 # SmolLM2-135M's fused linears (qkv 576+2x192, o, gate_up 2x1536, down) and a 2048x2048 one; K-quants
 # need input widths divisible by 256, so of the model's shapes only down (576x1536) takes them
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (2048, 2048)]
 STREAM_BYTES = 64 << 20          # float32 bytes cycled per shape: past a 32 MB L3
 
-
-def time_calls(fns, seconds: float) -> float:
-    for f in fns:
-        f()
-    times, i, start = [], 0, time.perf_counter()
-    while time.perf_counter() - start < seconds or len(times) < 5:
-        f = fns[i % len(fns)]
-        i += 1
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 4]
 
 
 def formats(w: torch.Tensor) -> dict:

@@ -28,20 +28,14 @@ class ReplicaCollector:
     def collect(self):
         stats = self.pool_engine.replica_stats()
         labels = ["model_name", "pool", "replica"]
-        for name, attr in _GAUGES:
-            g = GaugeMetricFamily(PREFIX + "replica_" + name, f"{name}, per replica.", labels=labels)
-            for pool, reps in stats.items():
-                for rid, s in reps.items():
-                    if attr in s:
-                        g.add_metric([self.model_name, pool, rid], float(s[attr]))
-            yield g
-        for name, attr in _COUNTERS:
-            c = CounterMetricFamily(PREFIX + "replica_" + name, f"{name}, per replica.", labels=labels)
-            for pool, reps in stats.items():
-                for rid, s in reps.items():
-                    if attr in s:
-                        c.add_metric([self.model_name, pool, rid], float(s[attr]))
-            yield c
+        for family, names in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+            for name, attr in names:
+                f = family(PREFIX + "replica_" + name, f"{name}, per replica.", labels=labels)
+                for pool, reps in stats.items():
+                    for rid, s in reps.items():
+                        if attr in s:
+                            f.add_metric([self.model_name, pool, rid], float(s[attr]))
+                yield f
         g = GaugeMetricFamily(PREFIX + "pool_replicas", "Running replicas per pool (0: /health says degraded).",
                               labels=["model_name", "pool"])
         for pool, reps in stats.items():
