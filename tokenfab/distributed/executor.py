@@ -6,11 +6,10 @@
 `execute` first sends the step to the workers (worker.py). The workers are `torch.multiprocessing`
 spawn processes (a clean interpreter each: no forked OpenMP or torch state), or Ray actors when the
 engine itself runs in a Ray actor (a `serve --replicas` replica; ray_workers.py): `choose_launcher`.
-Shutdown is explicit
-(`close()`: LLM.close, AsyncEngine.stop) and also happens when the engine is garbage-collected or the
-interpreter exits; workers exit on their own when rank 0's process dies. A failure on any rank (a
-worker killed, a forward raising) ends the group: the step raises, every later step raises the same
-RuntimeError, and the workers are stopped; the engine must be recreated.
+Shutdown is explicit (`close()`: LLM.close, AsyncEngine.stop) and also happens when the engine is
+garbage-collected or the interpreter exits; workers exit on their own when rank 0's process dies.
+A failure on any rank (a worker killed, a forward raising) ends the group: the step raises, every
+later step raises the same RuntimeError, and the workers are stopped; the engine must be recreated.
 """
 from __future__ import annotations
 
