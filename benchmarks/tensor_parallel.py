@@ -71,16 +71,10 @@ def measure_allreduce(hidden: int, reps: int = 50, size: int = 2) -> dict[int, f
 
 
 def fit_link(res: dict[int, float], tp: int = 2) -> tuple[float, float]:
-    """(latency µs, bandwidth GB/s) of time = lat + 2(t-1)/t x bytes / bw: least squares on the
-    relative error (weights 1/time^2), so the small messages a decode step sends count as much as
-    the big ones."""
-    xs, ys = list(res), list(res.values())
-    w = [1 / y ** 2 for y in ys]
-    sw, sx, sy = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * y for wi, y in zip(w, ys))
-    sxx, sxy = sum(wi * x * x for wi, x in zip(w, xs)), sum(wi * x * y for wi, x, y in zip(w, xs, ys))
-    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
-    lat = (sy - slope * sx) / sw
-    return max(lat, 0.0) * 1e6, 2 * (tp - 1) / tp / max(slope, 1e-15) / 1e9
+    """(latency µs, bandwidth GB/s) of the planner's ring formula fitted to the bare link (comm.fit_allreduce)."""
+    from tokenfab.plan.comm import fit_allreduce
+    f = fit_allreduce(list(res.items()), tp)
+    return f.latency_us, f.gb_s
 
 
 # -------------------------------------------------------------------------- 2. the engine
@@ -108,13 +102,16 @@ def run_engine(folder: str, tp: int, threads: int, batches: list[int], prompt_le
               kernel_autotune=False, enable_prefix_caching=False)
     eng = llm.engine
     comm = eng.runner.comm if tp > 1 else None
-    steps: list[tuple] = []     # (prefill?, tokens, seconds, all-reduce seconds, wait seconds)
-    last = [0.0, 0.0]
+    # (prefill?, tokens, seconds, all-reduce seconds, wait seconds, all-reduce calls, all-reduce bytes)
+    steps: list[tuple] = []
+    last = [0.0, 0.0, 0, 0]
+    counters = lambda: [comm.seconds, comm.wait_seconds, comm.calls, comm.bytes] if comm else [0.0, 0.0, 0, 0]  # noqa: E731
 
     def observe(shapes, start, end, busy):
-        c, w = (comm.seconds, comm.wait_seconds) if comm else (0.0, 0.0)
-        steps.append((any(n > 1 for _, n in shapes), sum(n for _, n in shapes), end - start, c - last[0], w - last[1]))
-        last[:] = [c, w]
+        now = counters()
+        d = [a - b for a, b in zip(now, last)]
+        steps.append((any(n > 1 for _, n in shapes), sum(n for _, n in shapes), end - start, d[0], d[1], d[2], d[3]))
+        last[:] = now
     eng.step_observer = observe
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     out = {}
@@ -122,7 +119,7 @@ def run_engine(folder: str, tp: int, threads: int, batches: list[int], prompt_le
     for b in batches:
         prompts = [[(7 * i + j) % 30000 + 50 for j in range(prompt_len)] for i in range(b)]
         del steps[:]
-        last[:] = [comm.seconds, comm.wait_seconds] if comm else [0.0, 0.0]
+        last[:] = counters()
         toks = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         dec = [s for s in steps if not s[0]]
         pre = [s for s in steps if s[0]]
@@ -130,7 +127,9 @@ def run_engine(folder: str, tp: int, threads: int, batches: list[int], prompt_le
                       decode_comm_s=statistics.median(s[3] for s in dec),
                       decode_wait_s=statistics.median(s[4] for s in dec),
                       prefill_s=sum(s[2] for s in pre), prefill_comm_s=sum(s[3] for s in pre),
-                      prefill_tokens=sum(s[1] for s in pre))
+                      prefill_tokens=sum(s[1] for s in pre),
+                      # per step: (all-reduce calls, bytes, seconds): the calibration samples
+                      decode_deltas=[(s[5], s[6], s[3]) for s in dec], prefill_deltas=[(s[5], s[6], s[3]) for s in pre])
     llm.close()
     return out
 
@@ -145,6 +144,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--save-hardware", metavar="FILE",
+                    help="write the in-engine link fit into entry --hardware-name of this YAML hardware file "
+                         "(the calibration hook: `tokenfab plan memory --hardware-file FILE` then uses it)")
+    ap.add_argument("--hardware-name", default="dev-vm-2core", help="entry to copy and update (default dev-vm-2core)")
     args = ap.parse_args()
 
     print(f"gloo all-reduce, 2 ranks, float32 (hidden {args.hidden}):")
@@ -165,32 +168,51 @@ def main() -> None:
 
     from dataclasses import replace
     from tokenfab.plan import roofline
-    from tokenfab.plan.hardware import get_hardware, load_catalog
+    from tokenfab.plan.comm import fit_allreduce, step_samples
+    from tokenfab.plan.hardware import get_hardware, load_catalog, save_entry
     from tokenfab.plan.models import resolve_model
-    hw = replace(get_hardware("dev-vm-2core", load_catalog(include_user=False)),
-                 interconnect_gb_s=gb_s, interconnect_latency_us=lat_us)
+    catalog_hw = get_hardware(args.hardware_name, load_catalog(include_user=False))
     spec = resolve_model(folder)
-    dep = roofline.Deployment.make(spec, hw, weight_dtype="fp32", act_dtype="fp32", tp=2)
+
+    def comm_per_step(hw, batch: int) -> float:
+        dep = roofline.Deployment.make(spec, hw, weight_dtype="fp32", act_dtype="fp32", tp=2)
+        return 2 * spec.layers * roofline.allreduce_s(dep, dep.act_dtype.nbytes(batch * spec.hidden))
+
+    link_hw = replace(catalog_hw, interconnect_gb_s=gb_s, interconnect_latency_us=lat_us)
+    samples = {b: step_samples(two[b]["decode_deltas"] + two[b]["prefill_deltas"]) for b in args.batch}
     print(f"\nrandom Llama: hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} KV, "
           f"MLP {args.intermediate}; prompts of {args.prompt_len} tokens, {args.new_tokens} new; "
           f"TP=2: {max(1, cores // 2)} thread(s) per rank")
     print("| batch | TP=1 decode ms (1 thread / {0}) | TP=2 decode ms | TP=2 / TP=1 (1 thread / {0}) "
-          "| all-reduce share | wait share | all-reduce ms/step | planner ms/step | planner error "
-          "| TP=2 / TP=1 prefill (1 thread) |".format(cores))
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| all-reduce share | wait share | all-reduce ms/step | planner ms/step: catalog ({1}) | link fit "
+          "| engine fit, this batch held out | TP=2 / TP=1 prefill (1 thread) |".format(cores, catalog_hw.name))
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for b in args.batch:
         a1, a, t = one_1[b], one[b], two[b]
         same = a["tokens"] == t["tokens"] == a1["tokens"]
-        pred = 2 * spec.layers * roofline.allreduce_s(dep, dep.act_dtype.nbytes(b * spec.hidden))
         meas = t["decode_comm_s"]
+        others = [x for o in args.batch if o != b for x in samples[o]]
+        preds = [comm_per_step(catalog_hw, b), comm_per_step(link_hw, b)]
+        if others:
+            f = fit_allreduce(others)
+            preds.append(comm_per_step(replace(catalog_hw, interconnect_gb_s=f.gb_s,
+                                               interconnect_latency_us=f.latency_us), b))
+        cells = " | ".join(f"{p * 1e3:.2f} ({(p - meas) / meas:+.0%})" for p in preds) + (" | n/a" if not others else "")
         print(f"| {b} | {a1['decode_s'] * 1e3:.1f} / {a['decode_s'] * 1e3:.1f} | {t['decode_s'] * 1e3:.1f} "
               f"| {t['decode_s'] / a1['decode_s']:.2f}x / {t['decode_s'] / a['decode_s']:.2f}x | {meas / t['decode_s']:.0%} "
-              f"| {t['decode_wait_s'] / t['decode_s']:.0%} | {meas * 1e3:.2f} | {pred * 1e3:.2f} "
-              f"| {(pred - meas) / meas:+.0%} | {t['prefill_s'] / a1['prefill_s']:.2f}x |"
-              + ("" if same else " (greedy tokens differ!)"))
+              f"| {t['decode_wait_s'] / t['decode_s']:.0%} | {meas * 1e3:.2f} | {cells} "
+              f"| {t['prefill_s'] / a1['prefill_s']:.2f}x |" + ("" if same else " (greedy tokens differ!)"))
     print("all-reduce: rank 0's time in the all-reduces once both ranks are there; wait: rank 0's time "
           "waiting for the other rank first. Both include the step's Python and pickling skew, not "
-          "just the link.")
+          "just the link. Planner columns: predicted ms/step (error against the measured all-reduce ms/step).")
+    fit = fit_allreduce([x for b in args.batch for x in samples[b]])
+    print(f"in-engine fit over every step: interconnect_latency_us {fit.latency_us:.0f}, interconnect_gb_s "
+          f"{fit.gb_s:.2f} (mean error {fit.mean_abs_rel_error:.0%} over {fit.samples} steps; the bare link: "
+          f"{lat_us:.0f} µs, {gb_s:.2f} GB/s)")
+    if args.save_hardware:
+        entry = {**catalog_hw.to_entry(), **fit.entry()}
+        path = save_entry(args.save_hardware, catalog_hw.name, entry)
+        print(f"wrote {catalog_hw.name} with the in-engine link fit to {path}")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ def cluster(request):
     from tokenfab.serve_ray.deploy import PoolSpec, ServeSpec, ingress_app, start_pools, stop_pools
 
     try:
-        ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+        # 3 logical CPUs for the pools, 1 more for the slow tensor-parallel replica (2 ranks x 0.5)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
                  object_store_memory=256 << 20)
     except Exception as e:                      # no /dev/shm, no ports, a sandbox: say so, don't fail
         pytest.skip(f"a local Ray cluster cannot start here: {type(e).__name__}: {e}")
@@ -298,3 +299,48 @@ def test_killed_replica_loses_no_request_and_comes_back(cluster):
     r = httpx.post(cluster.url + "/v1/completions", timeout=120,
                    json={"prompt": [100 + i for i in range(LONG)], "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.slow
+def test_tensor_parallel_replica_runs_its_ranks_as_ray_actors_and_matches_one_engine(cluster, tmp_path_factory,
+                                                                                    bundled_tokenizer):
+    # (last in the file: it adds an application to the module's cluster and then deletes it)
+    # `serve --replicas 1 --tensor-parallel-size 2` on a tiny random Llama: rank 1 is a Ray actor that
+    # declares the replica's resources; greedy output through the same ingress equals one process
+    from ray import serve
+    from tests.oracle import make_tiny_model
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.server.config import ServerConfig
+    from tokenfab.server.launch import ServerThread
+    from tokenfab.serve_ray.deploy import PoolSpec, _deployment, ingress_app
+    from tokenfab.serve_ray.pool import ReplicaPoolEngine
+    folder = str(tmp_path_factory.mktemp("tiny-llama-tp"))
+    make_tiny_model("llama", folder, bundled_tokenizer)          # 4 heads, 2 KV heads: splits in two
+    engine = dict(model=folder, tensor_parallel_size=2, max_model_len=256, num_kv_blocks=64,
+                  kernel_autotune=False, quantization="none")
+    prompts = [[5, 17, 300, 4000, 99, 12], list(range(100, 160))]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].text for o in LLM(folder, **{k: v for k, v in engine.items() if k not in ("model",
+            "tensor_parallel_size")}).generate(prompts, params, use_tqdm=False)]
+    free = ray.available_resources().get("CPU", 0)
+    routers_before = routing.routers(routing.SHORT_POOL)
+    pool = PoolSpec(routing.SHORT_POOL, 1, num_cpus=0.5, memory=512 << 20)
+    handle = serve.run(_deployment(pool, engine, None), name="tokenfab-tp-test", route_prefix=None)
+    try:
+        # rank 0 (the replica) and rank 1 (its actor) hold 0.5 CPU each
+        _wait(lambda: free - ray.available_resources().get("CPU", 0) >= 1.0 - 1e-6, 30,
+              "the replica and its worker rank to hold 1 CPU together")
+        pool_engine = ReplicaPoolEngine({routing.SHORT_POOL: handle}, handle.describe.remote().result())
+        app = ingress_app(pool_engine, ServerConfig(ui=False, access_log=False))
+        with ServerThread(app) as server:
+            got = [httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+                "model": app.state.tokenfab.model_name, "prompt": p, "max_tokens": 10, "temperature": 0,
+                "ignore_eos": True}).json()["choices"][0]["text"] for p in prompts]
+        assert got == want
+    finally:
+        serve.delete("tokenfab-tp-test")
+        for r in routing.routers(routing.SHORT_POOL):       # its router: out of the cluster's pool stats
+            if r not in routers_before:
+                routing.unregister_router(routing.SHORT_POOL, r)
+    # the worker rank died with its replica: its CPU is free again
+    _wait(lambda: ray.available_resources().get("CPU", 0) >= free - 1e-6, 60, "the worker rank to go with its replica")

@@ -68,12 +68,61 @@ def test_tp2_greedy_tokens_equal_tp1_batched_chunked_and_prefix_hits(tiny_llama,
     assert comm.calls > 0 and comm.calls % (2 * tp2.engine.model_config.num_layers) == 0
 
 
+def test_link_calibrated_from_the_engines_all_reduces_is_what_the_planner_then_uses(tp2, tiny_llama, tmp_path):
+    # the calibration hook (benchmarks/tensor_parallel.py --save-hardware): per-step all-reduce counter
+    # deltas -> a latency + bandwidth fit -> a hardware entry the planner reads back
+    from tokenfab.plan import comm as link
+    from tokenfab.plan import roofline
+    from tokenfab.plan.hardware import get_hardware, load_catalog, save_entry
+    from tokenfab.plan.models import resolve_model
+    c, deltas, last = tp2.engine.runner.comm, [], []
+
+    def observe(shapes, start, end, busy):
+        now = (c.calls, c.bytes, c.seconds)
+        deltas.append(tuple(a - b for a, b in zip(now, last[-1])))
+        last.append(now)
+    last.append((c.calls, c.bytes, c.seconds))
+    tp2.engine.step_observer = observe
+    try:
+        tp2.generate(PROMPTS, GREEDY)
+    finally:
+        tp2.engine.step_observer = None
+    layers = tp2.engine.model_config.num_layers
+    assert deltas and all(d[0] == 2 * layers for d in deltas)          # two all-reduces per layer per step
+    samples = link.step_samples(deltas)
+    assert {b for b, _ in samples} >= {4.0 * tp2.engine.model_config.hidden_size * len(PROMPTS)}   # a decode step
+    fit = link.fit_allreduce(samples)
+    assert fit.latency_us >= 0 and fit.gb_s > 0 and fit.samples == len(samples)
+    base = get_hardware("dev-vm-2core", load_catalog(include_user=False))
+    path = save_entry(tmp_path / "hw.yaml", "calibrated-cpu", {**base.to_entry(), **fit.entry()})
+    hw = get_hardware("calibrated-cpu", load_catalog([str(path)], include_user=False))
+    dep = roofline.Deployment.make(resolve_model(tiny_llama), hw, "fp32", act_dtype="fp32", tp=2)
+    for nbytes, _ in samples:
+        assert roofline.allreduce_s(dep, nbytes) == pytest.approx(
+            link.allreduce_s(2, nbytes, fit.latency_us, fit.gb_s), rel=1e-3)      # entry rounds to 0.01 µs
+
+
 def test_each_rank_holds_its_share_of_heads_and_kv_pool(tp2):
     full = tp2.engine.model_config
     shard = tp2.engine.model.config
     assert (shard.num_heads, shard.num_kv_heads, shard.intermediate_size) == \
         (full.num_heads // 2, full.num_kv_heads // 2, full.intermediate_size // 2)
     assert tp2.engine.runner.kv.shape[-2] == full.num_kv_heads // 2
+
+
+def test_ranks_launch_as_ray_actors_inside_a_ray_actor_and_as_local_processes_elsewhere():
+    from tokenfab.config import EngineConfig
+    from tokenfab.distributed.executor import choose_launcher, in_ray_actor
+    auto = EngineConfig(tensor_parallel_size=2)
+    assert choose_launcher(auto, inside_ray_actor=True) == "ray"
+    assert choose_launcher(auto, inside_ray_actor=False) == "mp"
+    assert not in_ray_actor()                 # this test process is no Ray actor (Ray started or not)
+    assert choose_launcher(auto) == "mp"
+    for forced in ("mp", "ray"):              # distributed_executor_backend wins either way
+        cfg = EngineConfig(tensor_parallel_size=2, distributed_executor_backend=forced)
+        assert choose_launcher(cfg, inside_ray_actor=True) == choose_launcher(cfg, inside_ray_actor=False) == forced
+    with pytest.raises(ValueError, match="distributed_executor_backend must be mp or ray"):
+        EngineConfig(tensor_parallel_size=2, distributed_executor_backend="slurm").validate()
 
 
 def test_sharded_weights_concatenate_to_the_full_weights(tmp_path, bundled_tokenizer):

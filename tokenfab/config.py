@@ -55,6 +55,8 @@ class EngineConfig:
     adaptive_threads: bool = True            # lower the thread count while other processes take cores, restore
                                              # it after (tokenfab/engine/threads.py; CPU, 2+ threads)
     tensor_parallel_size: int = 1            # ranks one model is split over (torch.distributed); docs/tensor_parallel.md
+    distributed_executor_backend: str | None = None   # how those ranks start: mp | ray; None: Ray actors inside
+                                             # a Ray actor (serve --replicas), else torch.multiprocessing
     speculative_config: dict | None = None   # e.g. {"method": "ngram", "num_speculative_tokens": 4}; docs/speculative.md
 
     @classmethod
@@ -72,6 +74,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_cache_dtype not in ("auto", "int8"):

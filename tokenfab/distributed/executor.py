@@ -4,16 +4,18 @@
 
 `TensorParallelRunner` is a ModelRunner (same `prepare`, same KV pool for rank 0's heads) whose
 `execute` first sends the step to the workers (worker.py). The workers are `torch.multiprocessing`
-spawn processes (a clean interpreter each: no forked OpenMP or torch state). Shutdown is explicit
-(`close()`: LLM.close, AsyncEngine.stop) and also happens when the engine is garbage-collected or the
-interpreter exits; workers exit on their own when rank 0's process dies. A failure on any rank (a
-worker killed, a forward raising) ends the group: the step raises, every later step raises the same
-RuntimeError, and the workers are stopped; the engine must be recreated.
+spawn processes (a clean interpreter each: no forked OpenMP or torch state), or Ray actors when the
+engine itself runs in a Ray actor (a `serve --replicas` replica; ray_workers.py): `choose_launcher`.
+Shutdown is explicit (`close()`: LLM.close, AsyncEngine.stop) and also happens when the engine is
+garbage-collected or the interpreter exits; workers exit on their own when rank 0's process dies.
+A failure on any rank (a worker killed, a forward raising) ends the group: the step raises, every
+later step raises the same RuntimeError, and the workers are stopped; the engine must be recreated.
 """
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import weakref
 
@@ -34,11 +36,38 @@ def prepare_rank0(config) -> None:
     one, each with the cpu backend's C attention and norms where it applies), and rank 0's threads."""
     if config.speculative_config is not None:
         raise ValueError("speculative decoding does not run with tensor_parallel_size > 1 yet; drop one of them")
-    if torch.device(config.device).type == "cuda" and torch.cuda.device_count() < config.tensor_parallel_size:
+    if torch.device(config.device).type == "cuda" and choose_launcher(config) == "mp" \
+            and torch.cuda.device_count() < config.tensor_parallel_size:     # a Ray actor sees only its own GPU
         raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} needs as many GPUs; "
                          f"{torch.cuda.device_count()} visible")
     config.enable_fused_decode = False
     torch.set_num_threads(threads_per_rank(config))
+
+
+LAUNCHERS = ("mp", "ray")
+
+
+def in_ray_actor() -> bool:
+    """Whether this process is a Ray actor (a Serve replica). Never imports Ray just to ask."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return False
+    try:
+        return ray.get_runtime_context().get_actor_id() is not None
+    except Exception:       # noqa: BLE001 - an old or half-initialised Ray: not an actor we can use
+        return False
+
+
+def choose_launcher(config, inside_ray_actor: bool | None = None) -> str:
+    """How the worker ranks start: `distributed_executor_backend` when set (vLLM's name: "mp" or
+    "ray"), else Ray actors inside a Ray actor (so Ray sees, places and accounts for every rank of a
+    replica, and they die with it) and torch.multiprocessing everywhere else."""
+    b = config.distributed_executor_backend
+    if b is not None:
+        if b not in LAUNCHERS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(LAUNCHERS)}, got {b!r}")
+        return b
+    return "ray" if (in_ray_actor() if inside_ray_actor is None else inside_ray_actor) else "mp"
 
 
 def threads_per_rank(config) -> int:
@@ -49,11 +78,42 @@ def threads_per_rank(config) -> int:
 
 class _Workers:
     """The worker processes and their pipes. Kept apart from the runner so the finalizer that stops
-    them holds no reference to the engine."""
+    them holds no reference to the engine. Ray's counterpart: ray_workers.RayWorkers."""
 
     def __init__(self):
         self.procs, self.conns = [], []
         self.store = None       # rank 0's rendezvous store: kept for the group's lifetime
+
+    def launch(self, config, model_path: str, num_blocks: int, max_positions: int, threads: int) -> None:
+        """Start ranks 1..t-1 and wait until each has loaded its shard (RuntimeError naming the rank if not)."""
+        ctx = torch.multiprocessing.get_context("spawn")
+        for rank in range(1, config.tensor_parallel_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker_main, name=f"tokenfab-tp{rank}", daemon=True,
+                            args=(rank, config.tensor_parallel_size, config, model_path, num_blocks, max_positions,
+                                  threads, child, os.getpid()))
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        for rank, (p, c) in enumerate(zip(self.procs, self.conns), start=1):
+            status = _wait_ready(p, c, rank)
+            if status != "ok":
+                raise RuntimeError(f"tensor parallelism: {status}")
+
+    def join(self, addr: str, port: int) -> None:
+        for c in self.conns:
+            c.send(("init", addr, port))
+
+    def joined(self) -> None:
+        """Rank 0 has its group, so every worker has its own (make_group returns only once all have met)."""
+
+    def send(self, msg) -> None:
+        for c in self.conns:
+            c.send(msg)
+
+    def dead(self) -> list[str]:
+        return [p.name for p in self.procs if not p.is_alive()]
 
     def stop(self, timeout: float = 10.0) -> None:
         for c in self.conns:
@@ -89,46 +149,37 @@ class TensorParallelRunner(ModelRunner):
         self.__dict__.update(runner.__dict__)     # rank 0's model and KV pool, built by the engine
         self.size = size = config.tensor_parallel_size
         self.error: str | None = None
-        self.workers = workers = _Workers()
+        self.launcher = choose_launcher(config)
+        if self.launcher == "ray":
+            from tokenfab.distributed.ray_workers import RayWorkers
+            workers = RayWorkers()
+        else:
+            workers = _Workers()
+        self.workers = workers
         self._finalizer = weakref.finalize(self, workers.stop)
-        ctx = torch.multiprocessing.get_context("spawn")
         threads = threads_per_rank(config)
         try:
-            for rank in range(1, size):
-                parent, child = ctx.Pipe()
-                p = ctx.Process(target=worker_main, name=f"tokenfab-tp{rank}", daemon=True,
-                                args=(rank, size, config, model_path, num_blocks, max_positions, threads,
-                                      child, os.getpid()))
-                p.start()
-                child.close()
-                workers.procs.append(p)
-                workers.conns.append(parent)
-            for rank, (p, c) in enumerate(zip(workers.procs, workers.conns), start=1):
-                status = _wait_ready(p, c, rank)
-                if status != "ok":
-                    raise RuntimeError(f"tensor parallelism: {status}")
+            workers.launch(config, model_path, num_blocks, max_positions, threads)
             store, addr, port = group.host_store(size)
-            for c in workers.conns:
-                c.send(("init", addr, port))
+            workers.join(addr, port)
             self.model.tp_comm.group = group.make_group(store, config.device, 0, size)
+            workers.joined()
             workers.store = store
         except BaseException:
             workers.stop(timeout=2)
             raise
-        log.info("tensor parallelism: %d ranks (%s at %s:%d), %d threads each", size,
-                 group.backend_for(config.device), addr, port, threads)
+        log.info("tensor parallelism: %d ranks (%s at %s:%d, %s workers), %d threads each", size,
+                 group.backend_for(config.device), addr, port, self.launcher, threads)
         return self
 
     def execute(self, step) -> torch.Tensor:
         if self.error is not None:
             raise RuntimeError(self.error)
         try:
-            msg = encode_step(step)
-            for c in self.workers.conns:
-                c.send(msg)
+            self.workers.send(encode_step(step))
             return super().execute(step)
         except BaseException as e:
-            dead = [p.name for p in self.workers.procs if not p.is_alive()]
+            dead = self.workers.dead()
             self.error = (f"tensor-parallel group stopped: {type(e).__name__}: {e}"
                           + (f" (worker {', '.join(dead)} exited)" if dead else "")
                           + "; the engine must be recreated")

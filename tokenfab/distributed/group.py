@@ -44,10 +44,11 @@ def join_store(addr: str, port: int, size: int) -> dist.TCPStore:
     return dist.TCPStore(addr, port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
 
 
-def make_group(store: dist.TCPStore, device: str, rank: int, size: int):
-    """This rank's process group; returns once every rank has joined (or raises at the timeout)."""
+def make_group(store: dist.TCPStore, device: str, rank: int, size: int, cuda_index: int | None = None):
+    """This rank's process group; returns once every rank has joined (or raises at the timeout).
+    `cuda_index`: this rank's GPU where it is not cuda:rank (a Ray actor sees only its own, as cuda:0)."""
     if backend_for(device) == "nccl":       # untested here (no GPU): one device per rank
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank if cuda_index is None else cuda_index)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = COLLECTIVE_TIMEOUT
         return dist.ProcessGroupNCCL(store, rank, size, opts)

@@ -69,6 +69,30 @@ class _Shard:
         self.kv_bytes_per_token, self.kv_sized_from = kv_bytes_per_token, "rank 0"
 
 
+def load_rank(rank: int, size: int, config, path: str, num_blocks: int, max_positions: int,
+              device: str | None = None):
+    """Build rank `rank`'s shard and its runner (what every launcher's worker does first). `device`:
+    this rank's device where the launcher decides it (a Ray actor sees only its own GPU, as cuda:0)."""
+    from tokenfab.distributed.group import rank_device
+    from tokenfab.engine.engine import _DTYPES, LLMEngine
+    from tokenfab.engine.runner import ModelRunner
+    from tokenfab.model.attention import kv_bytes_per_token
+    from tokenfab.model.loader import load_model_files
+    from tokenfab.quant.load import build_model
+
+    device = device or rank_device(config.device, rank)
+    dtype = _DTYPES[config.dtype]
+    kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else dtype
+    files = load_model_files(path)
+    model = build_model(files, dtype, device, config.block_size, max_positions, config.quantization,
+                        tp=(rank, size))
+    per_token = kv_bytes_per_token(model.config, kv_dtype)
+    LLMEngine._choose_kernels(_Shard(config, model, dtype, per_token), kv_dtype,
+                              num_blocks * config.block_size * per_token)
+    del files
+    return ModelRunner(model, num_blocks, config.block_size, kv_dtype, device), device
+
+
 def worker_main(rank: int, size: int, config, path: str, num_blocks: int, max_positions: int,
                 num_threads: int, conn, parent_pid: int) -> None:
     """Entry point of a spawned worker rank. Reports "ok" or an error string on `conn` once loaded, then
@@ -79,25 +103,9 @@ def worker_main(rank: int, size: int, config, path: str, num_blocks: int, max_po
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format=f"tokenfab rank {rank}: %(levelname)s %(message)s")
     torch.set_num_threads(num_threads)
-    from tokenfab.distributed.group import join_store, make_group, rank_device
+    from tokenfab.distributed.group import join_store, make_group
     try:
-        from tokenfab.engine.engine import _DTYPES, LLMEngine
-        from tokenfab.engine.runner import ModelRunner
-        from tokenfab.model.attention import kv_bytes_per_token
-        from tokenfab.model.loader import load_model_files
-        from tokenfab.quant.load import build_model
-
-        device = rank_device(config.device, rank)
-        dtype = _DTYPES[config.dtype]
-        kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else dtype
-        files = load_model_files(path)
-        model = build_model(files, dtype, device, config.block_size, max_positions, config.quantization,
-                            tp=(rank, size))
-        per_token = kv_bytes_per_token(model.config, kv_dtype)
-        LLMEngine._choose_kernels(_Shard(config, model, dtype, per_token), kv_dtype,
-                                  num_blocks * config.block_size * per_token)
-        del files
-        runner = ModelRunner(model, num_blocks, config.block_size, kv_dtype, device)
+        runner, device = load_rank(rank, size, config, path, num_blocks, max_positions)
     except BaseException as e:      # noqa: BLE001 - reported to rank 0, which raises it for the user
         conn.send(f"rank {rank} failed to load: {type(e).__name__}: {e}")
         return
@@ -109,7 +117,7 @@ def worker_main(rank: int, size: int, config, path: str, num_blocks: int, max_po
     if msg[0] != "init":
         return
     store = join_store(msg[1], msg[2], size)
-    model.tp_comm.group = make_group(store, config.device, rank, size)
+    runner.model.tp_comm.group = make_group(store, config.device, rank, size)
     try:
         while True:
             try:

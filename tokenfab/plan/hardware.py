@@ -34,12 +34,28 @@ class Hardware:
     usd_per_hour: float | None = None
     interconnect: str | None = None
     interconnect_gb_s: float | None = None
-    interconnect_latency_us: float = 10.0
+    interconnect_latency_us: float | None = None   # None: the backend's default (comm.BACKEND_DEFAULTS), else 10
+    interconnect_backend: str | None = None         # gloo | nccl: supplies link defaults the entry leaves out
+    # Tensor-parallel ranks are processes on this one device (CPU ranks on one host): they split its
+    # bandwidth, compute and memory instead of each bringing their own, so TP buys no speed here.
+    tp_shares_device: bool = False
     source: str = ""
     efficiency: dict[str, float] | None = None     # calibrated {bandwidth, compute}
     step_overhead_ms: float | None = None          # calibrated per-step overhead
     extra: dict = field(default_factory=dict)      # anything else the entry carries (kept, not used)
     origin: str = ""                               # the file it was read from
+
+    def __post_init__(self):
+        if self.interconnect_backend is not None:
+            from tokenfab.plan.comm import BACKEND_DEFAULTS
+            if self.interconnect_backend not in BACKEND_DEFAULTS:
+                raise ValueError(f"{self.name}: interconnect_backend must be one of {', '.join(BACKEND_DEFAULTS)}, "
+                                 f"got {self.interconnect_backend!r}")
+            for k, v in BACKEND_DEFAULTS[self.interconnect_backend].items():
+                if getattr(self, k) is None:
+                    setattr(self, k, v)
+        if self.interconnect_latency_us is None:
+            self.interconnect_latency_us = 10.0
 
     @property
     def memory_bytes(self) -> float:
@@ -67,7 +83,7 @@ class Hardware:
         for k in ("name", "origin", "extra"):
             d.pop(k)
         d.update(self.extra)
-        return {k: v for k, v in d.items() if v is not None}
+        return {k: v for k, v in d.items() if v is not None and not (k == "tp_shares_device" and v is False)}
 
 
 def _from_entry(name: str, entry: dict, origin: str) -> Hardware:

@@ -68,7 +68,7 @@ def activation_bytes(dep: Deployment, s: MemorySettings) -> float:
 
 def plan_memory(dep: Deployment, s: MemorySettings) -> MemoryPlan:
     m = dep.model
-    capacity = dep.hardware.memory_bytes
+    capacity = dep.hardware.memory_bytes / dep.device_share      # ranks on one host split its memory
     usable = capacity * s.memory_utilization
     weights = dep.weight_bytes_per_device
     acts = activation_bytes(dep, s)

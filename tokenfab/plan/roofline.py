@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tokenfab.plan import comm
 from tokenfab.plan.dtypes import DType, parse_dtype
 from tokenfab.plan.hardware import Hardware
 from tokenfab.plan.models import ModelSpec
@@ -90,6 +91,12 @@ class Deployment:
         return self.model.kv_bytes_per_token(self.kv_dtype) * self.kv_share
 
     @property
+    def device_share(self) -> int:
+        """How many ranks split one device's bandwidth, compute and memory: t when the ranks are
+        processes on one CPU host (`tp_shares_device`), else 1 (a device per rank)."""
+        return self.tp if self.hardware.tp_shares_device else 1
+
+    @property
     def peak_flops(self) -> float:
         return self.hardware.peak_flops(self.act_dtype.name)
 
@@ -163,16 +170,16 @@ def new_shape(dep: Deployment) -> StepShape:
 
 
 def allreduce_s(dep: Deployment, nbytes: float) -> float:
-    """Ring all-reduce: 2(t−1)/t of the message crosses each link, plus the fixed latency of one
-    small all-reduce (the catalog's interconnect_latency_us)."""
+    """One all-reduce of `nbytes` across the deployment's ranks (comm.allreduce_s: the catalog's
+    in-step latency plus the ring's 2(t−1)/t of the message over the link)."""
     t = dep.tp
     if t == 1:
         return 0.0
     hw = dep.hardware
     if not hw.interconnect_gb_s:
         raise ValueError(f"{hw.name} has no interconnect_gb_s, so tensor parallelism cannot be costed; "
-                         "add it in a --hardware-file")
-    return 2 * (t - 1) / t * nbytes / (hw.interconnect_gb_s * 1e9) + hw.interconnect_latency_us * 1e-6
+                         "add it (or interconnect_backend: gloo | nccl) in a --hardware-file")
+    return comm.allreduce_s(t, nbytes, hw.interconnect_latency_us, hw.interconnect_gb_s)
 
 
 def step_time(dep: Deployment, shape: StepShape) -> StepTime:
@@ -185,9 +192,10 @@ def step_time(dep: Deployment, shape: StepShape) -> StepTime:
     nbytes = (m.weight_bytes_read(dep.weight_dtype, shape.num_tokens) / dep.tp
               + dep.kv_bytes_per_token_per_device * (shape.kv_tokens + shape.num_tokens))
     # Two all-reduces per layer (after attention and after the MLP) of the step's hidden states.
-    comm = 2 * m.layers * allreduce_s(dep, dep.act_dtype.nbytes(shape.num_tokens * m.hidden)) if dep.tp > 1 else 0.0
-    return StepTime(flops=flops, bytes=nbytes, compute_s=flops / (dep.peak_flops * e.compute),
-                    memory_s=nbytes / (dep.hardware.bandwidth * e.bandwidth), comm_s=comm,
+    comm_s = 2 * m.layers * allreduce_s(dep, dep.act_dtype.nbytes(shape.num_tokens * m.hidden)) if dep.tp > 1 else 0.0
+    share = dep.device_share
+    return StepTime(flops=flops, bytes=nbytes, compute_s=share * flops / (dep.peak_flops * e.compute),
+                    memory_s=share * nbytes / (dep.hardware.bandwidth * e.bandwidth), comm_s=comm_s,
                     overhead_s=e.step_overhead_s)
 
 
@@ -200,8 +208,8 @@ class RooflineCost:
     def __init__(self, dep: Deployment):
         self.dep = dep
         m, e, t = dep.model, dep.eff, dep.tp
-        self._inv_compute = 1.0 / (dep.peak_flops * e.compute)
-        self._inv_bw = 1.0 / (dep.hardware.bandwidth * e.bandwidth)
+        self._inv_compute = dep.device_share / (dep.peak_flops * e.compute)
+        self._inv_bw = dep.device_share / (dep.hardware.bandwidth * e.bandwidth)
         self._flops_tok = 2.0 * (m.matmul_params_per_token - m.vocab * m.hidden) / t
         self._flops_seq = 2.0 * m.vocab * m.hidden / t
         self._flops_pair = m.attn_flops_per_pair / t

@@ -186,7 +186,9 @@ def start_pools(engine_config, spec: ServeSpec, max_waiting_requests: int | None
         if spec.ray_address:
             ray.init(address=spec.ray_address, include_dashboard=False, ignore_reinit_error=True)
         else:
-            need = sum(p.num_cpus * max(1, p.min_replicas()) for p in spec.pools)
+            # a tensor-parallel replica's worker ranks are Ray actors declaring what the replica does
+            tp = max(1, engine_config.tensor_parallel_size)
+            need = sum(p.num_cpus * max(1, p.min_replicas()) * tp for p in spec.pools)
             cpus = max(os.cpu_count() or 1, int(need + 0.999))
             if need > (os.cpu_count() or 1):
                 log.warning("the replicas declare %g CPUs but this machine has %d: they will share cores",

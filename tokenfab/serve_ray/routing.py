@@ -113,6 +113,13 @@ def register_router(pool: str, router) -> None:
         _ROUTERS.setdefault(pool, []).append(router)
 
 
+def unregister_router(pool: str, router) -> None:
+    """Forget a router whose application was deleted (its replicas' stats would otherwise linger)."""
+    with _routers_lock:
+        if router in _ROUTERS.get(pool, ()):
+            _ROUTERS[pool].remove(router)
+
+
 def routers(pool: str) -> list:
     with _routers_lock:
         return list(_ROUTERS.get(pool, ()))
