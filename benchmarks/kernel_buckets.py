@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenfab import LLM, SamplingParams  # noqa: E402
 from tokenfab.kernels import linear as seam  # noqa: E402
+from tokenfab.kernels.linear import plan_linears  # noqa: E402
 from tokenfab.kernels.tuning import KernelTable, select_kernels  # noqa: E402
 from tokenfab.model.bundled import bundled_model_path  # noqa: E402
 
@@ -39,10 +40,16 @@ def replan(llm: LLM, tbl: KernelTable, buckets: tuple[int, ...]) -> dict[str, st
                                 stack_rows=eng.config.fused_decode_max_tokens if eng.config.enable_fused_decode else 0)
     finally:
         seam.ROW_BUCKETS = saved
-    backend = model.attention_backend
-    if hasattr(backend, "_stack"):
-        backend._stack = None            # the one-call decode stack is rebuilt from the new plans
     return report.plans
+
+
+def install(llm: LLM, plans: list) -> None:
+    """Swap in a set of plans built before (building them prepares every weight copy: slow)."""
+    for m, plan in zip(plan_linears(llm.engine.model), plans):
+        m.plan = plan
+    backend = llm.engine.model.attention_backend
+    if hasattr(backend, "_stack"):
+        backend._stack = None            # the one-call decode stack is rebuilt from the plans
 
 
 def prefill_tok_s(llm: LLM, n: int) -> float:
@@ -80,16 +87,17 @@ def main() -> None:
             print(f"    {name:8s}" + " ".join(f"{'-' if t is None else round(t * 1e6):>6}" for t in ts))
 
     before = tuple(b for b in seam.ROW_BUCKETS if b <= 64)
-    plans = {"before": before, "now": seam.ROW_BUCKETS}
-    for label, buckets in plans.items():
-        print(f"\nplan {label} (buckets {buckets[0]}..{buckets[-1]}):")
+    plans = {}
+    for label, buckets in {"before": before, "now": seam.ROW_BUCKETS}.items():
+        print(f"\nplan {label} (buckets {buckets[0]}..{buckets[-1]}):", flush=True)
         for key, desc in replan(llm, tbl, buckets).items():
-            print(f"  {key}: {desc}")
+            print(f"  {key}: {desc}", flush=True)
+        plans[label] = [m.plan for m in plan_linears(llm.engine.model)]
 
     results: dict[str, dict[str, float]] = {label: {} for label in plans}
     for _ in range(args.rounds):
-        for label, buckets in plans.items():
-            replan(llm, tbl, buckets)
+        for label, plan_set in plans.items():
+            install(llm, plan_set)
             prefill_tok_s(llm, 64)                                       # warm the new plans
             r = results[label]
             r["prefill"] = max(r.get("prefill", 0.0), prefill_tok_s(llm, args.prefill_tokens))
