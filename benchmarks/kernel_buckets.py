@@ -72,7 +72,10 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--decode-tokens", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     llm = LLM(model=bundled_model_path(), max_model_len=2048, enable_prefix_caching=False)
     tbl = KernelTable.load(llm.engine.kernel_report.table_path)

@@ -97,6 +97,7 @@ def test_a_version_1_table_keeps_its_measurements_and_gains_the_big_buckets(tmp_
     {"version": 99, "entries": {"int4:64x128": {"rows": [1], "times": {"qgemm": [1.0]}}}},   # a newer build's
     {"version": 2, "entries": {"int4:64x128": {"rows": [1, 4], "times": {"qgemm": [1.0]}}}},  # truncated times
     [1, 2, 3],
+    {"version": 2, "entries": [1, 2]},
 ])
 def test_unknown_versions_and_broken_entries_are_measured_afresh(tmp_path, content):
     path = tmp_path / "t.json"

@@ -328,7 +328,8 @@ for _k in (OneDNNFloat(), TorchFloat(), FloatCopy(), BF16Copy(), Dequant()):
 # Up to 64 rows the skinny GEMMs are bandwidth-bound and the kernels rank differently per bucket;
 # above it they are compute-bound, so only kernels without a tune_max_rows (the float and bf16 copies,
 # w8a8, dequant) are timed there: on the Sapphire Rapids VM the bf16 copy (AMX) ran 512-row prefill
-# chunks ~4x faster than the float32 copy, which the 64-row choice had often been (docs/quant.md).
+# chunks 4-5x faster than the float32 copy; at 64 rows its lead is 2.5-3x, near the 2x a lossy kernel
+# needs, so on a noisy machine the inherited 64-row choice could be the float copy (docs/quant.md).
 ROW_BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
 SMALL_ROWS = 64           # float layers run one kernel at every row count (tuning.KernelTable.ranges),
                           # chosen from the buckets up to here: they are not timed above it

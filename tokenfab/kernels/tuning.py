@@ -129,7 +129,8 @@ class KernelTable:
             log.info("kernel table %s has version %r (this build reads %s): measuring afresh",
                      path, version, READABLE_VERSIONS)
             return cls({}, path)
-        entries = {k: e for k, e in data.get("entries", {}).items() if _well_formed(e)}
+        entries = data.get("entries")
+        entries = {k: e for k, e in entries.items() if _well_formed(e)} if isinstance(entries, dict) else {}
         return cls(entries, path)
 
     def save(self) -> None:
