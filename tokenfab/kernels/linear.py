@@ -323,11 +323,25 @@ for _k in (OneDNNFloat(), TorchFloat(), FloatCopy(), BF16Copy(), Dequant()):
     register(_k)
 
 
-def row_buckets(max_rows: int) -> list[int]:
-    """Row counts the table measures, up to (and including one at or past) max_rows. Above 64 rows the
-    GEMMs are compute-bound: the float copy (or dequant) takes them (tuning.KernelTable.ranges)."""
+# The row counts the measured table times. A step of T rows runs the choice of the smallest bucket at
+# or above T (LinearPlan: "up to max_rows"), and the biggest bucket's choice runs every bigger step.
+# Up to 64 rows the skinny GEMMs are bandwidth-bound and the kernels rank differently per bucket;
+# above it they are compute-bound, so only kernels without a tune_max_rows (the float and bf16 copies,
+# w8a8, dequant) are timed there: on the Sapphire Rapids VM the bf16 copy (AMX) ran 512-row prefill
+# chunks 4-5x faster than the float32 copy; at 64 rows its lead is 2.5-3x, near the 2x a lossy kernel
+# needs, so on a noisy machine the inherited 64-row choice could be the float copy (docs/quant.md).
+ROW_BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
+SMALL_ROWS = 64           # float layers run one kernel at every row count (tuning.KernelTable.ranges),
+                          # chosen from the buckets up to here: they are not timed above it
+
+
+def row_buckets(max_rows: int, limit: int | None = None) -> list[int]:
+    """Buckets the table measures for a layer that sees up to max_rows rows: up to (and including one
+    at or past) max_rows, and none past `limit`."""
     out = []
-    for b in (1, 4, 8, 16, 32, 64):
+    for b in ROW_BUCKETS:
+        if limit is not None and b > limit:
+            break
         out.append(b)
         if b >= max_rows:
             break

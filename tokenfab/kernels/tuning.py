@@ -1,7 +1,8 @@
 """The measured kernel table: which linear kernel runs which shape at which row count, on this CPU.
 
 At load (`select_kernels`) every distinct (format, shape) among the model's linears is timed once
-per candidate kernel at a few row counts (1, 2, 4, ... up to what the layer will see), on the layer's
+per candidate kernel at the row buckets (1, 4, 8, ... 512: linear.ROW_BUCKETS, up to what the layer
+will see; above 64 rows only the kernels eligible there, and float layers not at all), on the layer's
 real weights, on one thread, and the table is cached per CPU next to the C build (~/.cache/tokenfab/
 tuning, keyed by the CPU model and flags, torch's version and the C source), so later loads
 measure nothing. Each layer then gets a `LinearPlan`: for every measured row count the fastest
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenfab.kernels.linear import (KernelLinear, LinearPlan, build_plan, candidates, get, merge_ranges, plan_linears,
-                                     registered, row_buckets)
+                                     registered, row_buckets, SMALL_ROWS)
 
 log = logging.getLogger("tokenfab.kernels")
 
@@ -45,7 +46,10 @@ STACK_MARGIN = 0.5        # within the cpu backend's one-call decode rows, displ
 # on two threads took 10-15 ms, which made the table noise.
 LOSSY_MARGIN = 0.5        # a kernel that rounds activations below the compute precision (torch's packed
                           # kernels: bf16, KL 1e-3 on the bundled model) must be this much faster to be chosen
-TABLE_VERSION = 1
+TABLE_VERSION = 2         # what save() writes; 2 added the row buckets 128-512 (linear.ROW_BUCKETS)
+READABLE_VERSIONS = (1, 2)  # a version-1 table's measurements still hold: it is read, and the buckets it
+                          # lacks are measured on the next load (a second or so) and saved as version 2
+CACHE_GENERATION = 1      # part of the cache file's name: bump when old measurements become wrong
 STACK_KERNELS = ("qgemm", "qdot")   # kernels whose layouts the one-call decode stack runs (tf_qgemm, tf_qdot)
 
 
@@ -88,7 +92,7 @@ def default_plan(layer: KernelLinear) -> LinearPlan:
 # ---------------------------------------------------------------------------- the measured table
 def _cpu_key() -> str:
     from tokenfab.kernels import SOURCE, _cpu_model
-    parts = [_cpu_model(), torch.__version__, str(TABLE_VERSION)]
+    parts = [_cpu_model(), torch.__version__, str(CACHE_GENERATION)]
     try:
         with open(SOURCE, "rb") as f:
             parts.append(hashlib.sha256(f.read()).hexdigest())
@@ -118,9 +122,16 @@ class KernelTable:
         try:
             with open(path) as f:
                 data = json.load(f)
-            return cls(data.get("entries", {}), path)
         except (OSError, ValueError):
             return cls({}, path)
+        version = data.get("version", 1) if isinstance(data, dict) else None
+        if version not in READABLE_VERSIONS:
+            log.info("kernel table %s has version %r (this build reads %s): measuring afresh",
+                     path, version, READABLE_VERSIONS)
+            return cls({}, path)
+        entries = data.get("entries")
+        entries = {k: e for k, e in entries.items() if _well_formed(e)} if isinstance(entries, dict) else {}
+        return cls(entries, path)
 
     def save(self) -> None:
         if not self.path:
@@ -197,10 +208,12 @@ class KernelTable:
         if layer.weight_format == "float":
             # float kernels sum in different orders: one kernel for every row count keeps a token's
             # logits independent of its batch (the greedy-invariance tests hold exactly)
-            total = {k: sum(t or float("inf") for t in e["times"][k]) for k in order}
+            small = [i for i, r in enumerate(e["rows"]) if r <= SMALL_ROWS]
+            total = {k: sum(e["times"][k][i] or float("inf") for i in small) for k in order}
             return [(None, _pick(order, total, lossy))]
         ranges: list[tuple[int | None, str]] = []
-        wanted = set(row_buckets(max_rows)) if max_rows else set(e["rows"])
+        wanted = set(row_buckets(max_rows)) if max_rows else set(e["rows"])    # a step of T rows runs
+        # the choice of the smallest bucket at or above T (LinearPlan), the last bucket's any bigger one
         for i, r in enumerate(e["rows"]):
             if r not in wanted:
                 continue
@@ -220,6 +233,15 @@ class KernelTable:
         else:
             ranges[-1] = (None, last)
         return ranges
+
+
+def _well_formed(e) -> bool:
+    """An entry a hand-edited or truncated file could have broken is dropped (and measured again)."""
+    try:
+        n = len(e["rows"])
+        return all(isinstance(r, int) for r in e["rows"]) and all(len(t) == n for t in e["times"].values())
+    except (TypeError, KeyError, AttributeError):
+        return False
 
 
 def _pick(order: list[str], times: dict[str, float], lossy: set[str] = frozenset()) -> str:
@@ -299,7 +321,7 @@ def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int,
     if tbl is not None and autotune:
         dirty = False
         for key, ms in by_key.items():
-            rows = row_buckets(rows_for[key])
+            rows = row_buckets(rows_for[key], SMALL_ROWS if ms[0].weight_format == "float" else None)
             names = [k.name for k in candidates(ms[0]) if k.name not in opt_out]
             if len(names) > 1 and not tbl.has(key, rows, [n for n in names if n != "dequant" or "float" not in names]):
                 tbl.measure(ms, rows, opt_out)
