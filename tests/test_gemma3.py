@@ -173,6 +173,21 @@ def test_long_generation_is_the_same_with_and_without_the_sliding_pool(tiny_gemm
     assert outs[0] == outs[1]
 
 
+def test_kv_sizing_counts_the_sliding_pool_savings(tiny_gemma3):
+    """The same KV memory holds more tokens when the sliding layers keep only their window, and
+    `tokenfab info` reports the same rule."""
+    from tokenfab.engine.sliding_kv import sliding_savings
+    kw = dict(kv_cache_memory=4 << 20, max_num_seqs=2, max_model_len=1024)
+    on, off = (_llm(tiny_gemma3[0], sliding_window_pool=p, **kw).engine for p in (True, False))
+    assert off.block_manager.sliding is None
+    assert on.block_manager.num_blocks > 3 * off.block_manager.num_blocks     # 6 of 7 layers slide
+    assert on.kv_pool_bytes <= 4 << 20 and off.kv_pool_bytes <= 4 << 20
+    saved = sliding_savings(on.model_config, on.config, on.kv_bytes_per_token)
+    assert saved["kv_tokens_per_gib_float32"]["sliding pool, max_num_seqs 2"] > \
+        3 * saved["kv_tokens_per_gib_float32"]["all positions"]
+    assert saved["kv_bytes_8k_float32_held"] < saved["kv_bytes_8k_float32_all_positions"] / 3
+
+
 # ------------------------------------------------------------------------------- the real file
 def gemma3_270m_path() -> str:
     try:

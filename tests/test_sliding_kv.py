@@ -61,3 +61,11 @@ def test_prefix_hit_is_cut_where_the_windows_sliding_blocks_were_evicted():
     bm.sliding = sliding
     bm.free_seq(c)
     assert bm.num_used_blocks() == 0
+
+
+def test_fit_blocks_charges_only_the_global_layers_past_the_sliding_need():
+    from tokenfab.engine.sliding_kv import fit_blocks
+    gb, sb = 100, 500                                    # 1 global layer's block bytes, 5 sliding layers'
+    assert fit_blocks(600 * 10 + 500, gb, sb, sliding_need=50) == 10   # under the need: both pools grow
+    # 20 sliding blocks (+ the zero block) cost 10,500; the rest of 100,000 buys global blocks at 100 each
+    assert fit_blocks(100_000, gb, sb, sliding_need=20) == (100_000 - 21 * sb) // gb

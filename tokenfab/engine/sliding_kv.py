@@ -177,3 +177,27 @@ def sliding_layer_share(model_config) -> tuple[int, int]:
     """(sliding layers, layers)."""
     n = model_config.num_layers
     return sum(model_config.is_sliding(i) for i in range(n)), n
+
+
+def sliding_savings(model_config, config, bytes_per_token: int, context: int = 8192) -> dict:
+    """For `tokenfab info`: one sequence's KV bytes at `context` tokens with every position kept and as
+    the engine holds them (sliding layers: their decode-time blocks), and the tokens a GiB of KV pool
+    holds each way (the engine's own sizing rule: the sliding pool is sized for max_num_seqs sequences
+    each holding its window, so it saves only where contexts average well past the window)."""
+    n_sliding, n = sliding_layer_share(model_config)
+    bs, window = config.block_size, model_config.sliding_window
+    per_layer_block = bytes_per_token * bs // n
+    ctx_blocks = -(-context // bs)
+    held_blocks = min(per_sequence_blocks(window, bs, 1), ctx_blocks)
+    gib = 1 << 30
+
+    def tokens(max_num_seqs: int) -> int:
+        need = pool_size(window, bs, max_num_seqs, config.max_num_batched_tokens, 1 << 62) - 1
+        return fit_blocks(gib, per_layer_block * (n - n_sliding), per_layer_block * n_sliding, need) * bs
+    return {
+        f"kv_bytes_{context // 1024}k_float32_all_positions": ctx_blocks * n * per_layer_block,
+        f"kv_bytes_{context // 1024}k_float32_held": (ctx_blocks * (n - n_sliding) + held_blocks * n_sliding) * per_layer_block,
+        "kv_tokens_per_gib_float32": {
+            "all positions": gib // (bytes_per_token * bs) * bs,
+            **{f"sliding pool, max_num_seqs {m}": tokens(m) for m in sorted({8, config.max_num_seqs})}},
+    }
