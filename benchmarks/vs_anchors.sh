@@ -12,6 +12,11 @@
 #   bash benchmarks/vs_anchors.sh [OUT_DIR]
 #   VLLM=0 bash benchmarks/vs_anchors.sh [OUT_DIR]      # llama.cpp and tokenfab only
 #   INT8ACT=1 bash benchmarks/vs_anchors.sh [OUT_DIR]   # also tokenfab --int8-activations
+#   MODEL=gemma3-270m CONC=32 bash benchmarks/vs_anchors.sh [OUT_DIR]
+#       another GGUF (any name or path `tokenfab serve MODEL` takes) in both llama-server and tokenfab;
+#       vLLM is skipped (its anchor serves SmolLM2 only). THREADS=N runs both servers on N threads (on a
+#       loaded 2-core VM llama.cpp's 2-thread barrier decoded Gemma 3 at 0.3 tok/s); NREQ=N sends N
+#       requests per level of C > 1 streams instead of 2C, OUTLEN=N asks N output tokens instead of 128
 set -euo pipefail
 # llama.cpp's AMX kernels (chosen through weight repacking where the CPU reports AMX) die with SIGILL on
 # VMs that report AMX but do not enable its tile state; LLAMA_ARG_REPACK=0 (--no-repack) avoids them.
@@ -28,20 +33,27 @@ wait_up() { for _ in $(seq 1200); do curl -sf "http://127.0.0.1:$PORT/health" >/
 CONC=(1 ${CONC:-8 32 64})
 load() {  # NAME
   for c in "${CONC[@]}"; do
-    n=$([ "$c" = 1 ] && echo 4 || echo $((2 * c)))
+    n=$([ "$c" = 1 ] && echo 4 || echo "${NREQ:-$((2 * c))}")
     tokenfab bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts "$n" --max-concurrency "$c" \
-      --input-len 128 --output-len 128 --no-progress --seed 3 --out "$OUT/$1-c$c.json" >/dev/null
+      --input-len 128 --output-len "${OUTLEN:-128}" --no-progress --seed 3 --out "$OUT/$1-c$c.json" >/dev/null
   done
   tokenfab bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts 4 --max-concurrency 1 \
     --input-len 512 --output-len 1 --no-progress --seed 5 --out "$OUT/$1-prefill.json" >/dev/null
 }
 lscpu | grep -E '^Model name'; grep -m1 -o -E 'avx2|avx512f|avx512_vnni|avx_vnni|avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
 
-bash "$ANCHORS/llama-server.sh" serve "$PORT" 32 >"$OUT/llama-server.log" 2>&1 & PID=$!
+MODEL=${MODEL:-}
+if [ -n "$MODEL" ]; then     # the anchor's build and flags, on the model's own file
+  GGUF=$(python3 -c 'import sys; from tokenfab.model.bundled import resolve_model_path as r; print(r(sys.argv[1]))' "$MODEL")
+  "$ANCHORS_DIR/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server" -m "$GGUF" -t "${THREADS:-$(nproc)}" -tb "${THREADS:-$(nproc)}" \
+    -np 32 -c $((32 * 1024)) --host 127.0.0.1 --port "$PORT" >"$OUT/llama-server.log" 2>&1 & PID=$!
+else
+  bash "$ANCHORS/llama-server.sh" serve "$PORT" 32 >"$OUT/llama-server.log" 2>&1 & PID=$!
+fi
 wait_up; load llamacpp; kill $PID; wait $PID 2>/dev/null || true
 
 RUNS=(llamacpp); LABELS=llama.cpp
-if [ "${VLLM:-1}" != 0 ] && [ -x "$ANCHORS_DIR/vllm-venv/bin/python" ]; then
+if [ -z "$MODEL" ] && [ "${VLLM:-1}" != 0 ] && [ -x "$ANCHORS_DIR/vllm-venv/bin/python" ]; then
   if [ "${VLLM:-1}" != fp32 ]; then
     bash "$ANCHORS/vllm-cpu.sh" serve "$PORT" >"$OUT/vllm.log" 2>&1 & PID=$!
     wait_up; load vllm; kill $PID; wait $PID 2>/dev/null || true
@@ -59,12 +71,12 @@ if [ "${VLLM:-1}" != 0 ] && [ -x "$ANCHORS_DIR/vllm-venv/bin/python" ]; then
   fi
 fi
 
-tokenfab serve --port "$PORT" --no-access-log --log-level warning >"$OUT/tokenfab.log" 2>&1 & PID=$!
+tokenfab serve ${MODEL:+"$MODEL"} ${THREADS:+--num-threads "$THREADS"} --port "$PORT" --no-access-log --log-level warning >"$OUT/tokenfab.log" 2>&1 & PID=$!
 wait_up; load tokenfab; kill $PID; wait $PID 2>/dev/null || true
 RUNS+=(tokenfab); LABELS+=,tokenfab
 # INT8ACT=1 adds a run with llama.cpp's activation scheme (int8 blocks of 32, --int8-activations; opt-in, docs/quant.md).
 if [ "${INT8ACT:-0}" = 1 ]; then
-  tokenfab serve --port "$PORT" --no-access-log --log-level warning --int8-activations >"$OUT/tokenfab-i8.log" 2>&1 & PID=$!
+  tokenfab serve ${MODEL:+"$MODEL"} --port "$PORT" --no-access-log --log-level warning --int8-activations >"$OUT/tokenfab-i8.log" 2>&1 & PID=$!
   wait_up; load tokenfab-i8; kill $PID; wait $PID 2>/dev/null || true
   RUNS+=(tokenfab-i8); LABELS+=,tokenfab-int8act
 fi

@@ -1,7 +1,8 @@
 """Gemma 3 (the decoder's gemma3 configuration): greedy output token-exact against transformers on a tiny
 random Gemma 3 with a sliding window of 16 (prompts longer than the window, so it slides), the same
-tokens batched, chunked, preempted and with prefix-cache hits, each attention backend; and the real
-Gemma 3 270M Q4_K_M file (slow)."""
+tokens batched, chunked, preempted and with prefix-cache hits, each attention backend; the same again
+with the sliding layers' own pool smaller than the global one (engine/sliding_kv.py), speculative
+decoding and the int8 cache included; and the real Gemma 3 270M Q4_K_M file (slow)."""
 import json
 import os
 
@@ -10,6 +11,7 @@ import torch
 
 from tests.oracle import hf_greedy
 from tokenfab import LLM, SamplingParams, kernels
+from tokenfab.engine.sliding_kv import per_sequence_blocks
 
 NEW_TOKENS = 40
 WINDOW = 16
@@ -98,6 +100,92 @@ def test_tiny_gemma3_prefix_cache_hits_match_transformers(tiny_gemma3):
     second = _run(llm, prompts[1:])
     assert llm.engine.stats().prefix_cache_hits >= 32
     assert first + second == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+# ------------------------------------------------------------------ the sliding-window pool (engine/sliding_kv.py)
+BS = 4          # small blocks: the window spans four of them, so blocks really fall out of it
+SMALL = dict(block_size=BS, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=512)
+
+
+def _llm(folder, **kw):
+    return LLM(model=folder, **{**SMALL, **kw})
+
+
+def _generate(llm, prompts, params=GREEDY):
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.block_manager.num_used_blocks() == 0       # both pools
+    return out
+
+
+def _spy_held(llm) -> list[int]:
+    """Record, at every step, the most sliding blocks any scheduled sequence holds."""
+    held, runner = [], llm.engine.runner
+    prepare = runner.prepare
+
+    def spy(batch):
+        held.append(max(runner.sliding.held(s) for s in batch.seqs))
+        return prepare(batch)
+    runner.prepare = spy
+    return held
+
+
+def test_sliding_pool_is_smaller_and_batched_chunked_output_matches_transformers(tiny_gemma3, hf_reference):
+    llm = _llm(tiny_gemma3[0], num_kv_blocks=200)
+    sliding = llm.engine.block_manager.sliding
+    assert sliding is not None and sliding.num_blocks < 200 / 4
+    held = _spy_held(llm)
+    assert _generate(llm, PROMPTS) == hf_reference
+    assert max(held) <= per_sequence_blocks(WINDOW, BS, SMALL["max_num_batched_tokens"])
+
+
+def test_sliding_pool_with_preemption_matches_transformers(tiny_gemma3, hf_reference):
+    llm = _llm(tiny_gemma3[0], num_kv_blocks=30)          # 120 tokens: the 110-token sequence evicts the others
+    assert _generate(llm, PROMPTS) == hf_reference
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_sliding_pool_with_prefix_hits_matches_transformers(tiny_gemma3):
+    _, hf = tiny_gemma3
+    shared = list(range(300, 348))
+    prompts = [shared + [7, 8, 9], shared + [11, 12]]
+    llm = _llm(tiny_gemma3[0], num_kv_blocks=200)
+    got = _generate(llm, prompts[:1]) + _generate(llm, prompts[1:])
+    assert llm.engine.stats().prefix_cache_hits >= 40
+    assert got == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("spec", [
+    pytest.param({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}, id="ngram"),
+    pytest.param({"method": "layerskip", "num_speculative_tokens": 2, "num_layers": 3, "adaptive": False}, id="layerskip")])
+def test_sliding_pool_with_speculative_decoding_matches_transformers(tiny_gemma3, hf_reference, spec):
+    llm = _llm(tiny_gemma3[0], num_kv_blocks=200, speculative_config=spec)
+    assert _generate(llm, PROMPTS) == hf_reference
+    assert llm.engine.stats().spec_decode_num_drafts > 0
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_long_generation_is_the_same_with_and_without_the_sliding_pool(tiny_gemma3, kv):
+    """A 100-token prompt and 100 new tokens (the window slides ~12 times over), two at once."""
+    prompts = [list(range(400, 500)), list(range(700, 790))]
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    outs = [_generate(_llm(tiny_gemma3[0], num_kv_blocks=300, kv_cache_dtype=kv, sliding_window_pool=on),
+                      prompts, params) for on in (True, False)]
+    assert outs[0] == outs[1]
+
+
+def test_kv_sizing_counts_the_sliding_pool_savings(tiny_gemma3):
+    """The same KV memory holds more tokens when the sliding layers keep only their window, and
+    `tokenfab info` reports the same rule."""
+    from tokenfab.engine.sliding_kv import sliding_savings
+    kw = dict(kv_cache_memory=4 << 20, max_num_seqs=2, max_model_len=1024)
+    on, off = (_llm(tiny_gemma3[0], sliding_window_pool=p, **kw).engine for p in (True, False))
+    assert off.block_manager.sliding is None
+    assert on.block_manager.num_blocks > 3 * off.block_manager.num_blocks     # 6 of 7 layers slide
+    assert on.kv_pool_bytes <= 4 << 20 and off.kv_pool_bytes <= 4 << 20
+    saved = sliding_savings(on.model_config, on.config, on.kv_bytes_per_token)
+    assert saved["kv_tokens_per_gib_float32"]["sliding pool, max_num_seqs 2"] > \
+        3 * saved["kv_tokens_per_gib_float32"]["all positions"]
+    assert saved["kv_bytes_8k_float32_held"] < saved["kv_bytes_8k_float32_all_positions"] / 3
 
 
 # ------------------------------------------------------------------------------- the real file

@@ -27,6 +27,9 @@ class EngineConfig:
                                              # gpu_memory_utilization, but for the KV pool alone)
     kv_cache_memory_max: int = 4 << 30       # ... and at most this many bytes
     num_kv_blocks: int | None = None         # exact pool size (overrides kv_cache_memory); mostly for tests
+    sliding_window_pool: bool = True         # sliding-window layers (Gemma 3) keep only their window's blocks,
+                                             # in a smaller pool of their own (engine/sliding_kv.py); False:
+                                             # every layer keeps every position (single-process only)
     kv_cache_dtype: str = "auto"             # auto (= dtype) | int8
     quantization: str = "auto"               # auto | none (float) | gguf (blocks as shipped) | int8 | int4[-g32|-g64|-g128]
     scheduling_policy: str = "fcfs"          # fcfs | priority

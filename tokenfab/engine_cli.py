@@ -149,7 +149,10 @@ def _engine_info(files, args) -> dict:
                           if m.get("rss_after_load") else {})},
         "float_copies": engine.float_budget_from,
         "kv_pool": f"{engine.block_manager.num_blocks * engine.config.block_size} tokens, sized from "
-                   f"{engine.kv_sized_from}; pages become resident as blocks are used",
+                   f"{engine.kv_sized_from}; pages become resident as blocks are used"
+                   + (f"; the sliding-window layers hold {sliding.num_blocks - 1} blocks of their own "
+                      f"({(sliding.num_blocks - 1) * engine.config.block_size} tokens)"
+                      if (sliding := engine.block_manager.sliding) else ""),
         "threads": torch_threads(),
     }
 
@@ -185,14 +188,13 @@ def cmd_info(args) -> int:
         # what a --kv-cache-memory of 1 GiB holds (the engine sizes its block pool the same way)
         "kv_tokens_per_gib": {d: (1 << 30) // b for d, b in kv_bytes.items()},
     }
-    if cfg.sliding_window:      # Gemma 3: what the window would save if its blocks were freed (they aren't yet)
-        ctx = 8192
-        full, windowed = cfg.kv_bytes_for_context(ctx, 4, False), cfg.kv_bytes_for_context(ctx, 4, True)
+    if cfg.sliding_window:      # Gemma 3: what the sliding layers' own pool saves (engine/sliding_kv.py)
+        from tokenfab.config import EngineConfig
+        from tokenfab.engine.sliding_kv import sliding_savings
         info["sliding_window"] = {
             "window": cfg.sliding_window, "sliding_layers": sum(map(cfg.is_sliding, range(cfg.num_layers))),
             "layers": cfg.num_layers, "local_rope_theta": cfg.rope_local_theta,
-            "kv_bytes_8k_float32": full, "kv_bytes_8k_float32_window_only": windowed,
-            "out_of_window_blocks_freed": False}
+            **sliding_savings(cfg, EngineConfig(model=args.model), fp32)}
     if args.engine:
         info.update(_engine_info(files, args))
     if args.json:

@@ -21,6 +21,7 @@ from tokenfab.engine.sampler import Sampler, SampleRow
 from tokenfab.engine.scheduler import Scheduler
 from tokenfab.engine.structured import GrammarCompiler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
+from tokenfab.engine.sliding_kv import SlidingBlocks, fit_blocks, pool_size, sliding_layer_share
 from tokenfab.engine.threads import ThreadController, free_cores
 from tokenfab.kernels.tuning import select_kernels
 from tokenfab.model.attention import kv_bytes_per_token
@@ -49,16 +50,18 @@ def available_memory(device: str) -> int:
     return 8 << 30
 
 
-def kv_pool_blocks(config: EngineConfig, max_len: int, block_bytes: int) -> tuple[int, str]:
+def kv_pool_blocks(config: EngineConfig, max_len: int, block_bytes: int, fit=None) -> tuple[int, str]:
     """How many KV blocks to reserve, and why: `num_kv_blocks`, else `kv_cache_memory`, else what
     `max_num_seqs` sequences of `max_len` tokens need when that is less than the free-memory share
-    (`kv_cache_memory_fraction` of available, at most `kv_cache_memory_max`), else that share."""
+    (`kv_cache_memory_fraction` of available, at most `kv_cache_memory_max`), else that share.
+    `fit(bytes)`: blocks that fit in a budget (default: bytes // block_bytes; sliding_kv.fit_blocks)."""
+    fit = fit or (lambda budget: budget // block_bytes)
     if config.num_kv_blocks:
         return config.num_kv_blocks, "num_kv_blocks"
     if config.kv_cache_memory:
-        return config.kv_cache_memory // block_bytes, "kv_cache_memory"
-    share = min(int(available_memory(config.device) * config.kv_cache_memory_fraction),
-                config.kv_cache_memory_max) // block_bytes
+        return fit(config.kv_cache_memory), "kv_cache_memory"
+    share = fit(min(int(available_memory(config.device) * config.kv_cache_memory_fraction),
+                    config.kv_cache_memory_max))
     need = config.max_num_seqs * -(-max_len // config.block_size)
     if need < share:
         return need, f"max_num_seqs {config.max_num_seqs} x max_model_len {max_len}"
@@ -149,7 +152,15 @@ class LLMEngine:
                 draft_files = load_draft_files(spec_cfg.model, mcfg, self.tokenizer)
                 self.kv_bytes_per_token += draft_kv_bytes_per_token(draft_files, kv_dtype)
         block_bytes = self.kv_bytes_per_token * config.block_size
-        num_blocks, self.kv_sized_from = kv_pool_blocks(config, max_len, block_bytes)
+        # Sliding-window layers (Gemma 3) keep only their window, in a pool of their own (engine/sliding_kv.py)
+        n_sliding, n_layers = sliding_layer_share(mcfg)
+        sliding_bytes, fit = 0, None
+        if n_sliding and config.sliding_window_pool and config.tensor_parallel_size == 1:
+            sliding_bytes = kv_bytes_per_token(mcfg, kv_dtype) * config.block_size * n_sliding // n_layers
+            sliding_need = pool_size(mcfg.sliding_window, config.block_size, config.max_num_seqs,
+                                     config.max_num_batched_tokens, 1 << 62) - 1
+            fit = lambda budget: fit_blocks(budget, block_bytes - sliding_bytes, sliding_bytes, sliding_need)  # noqa: E731
+        num_blocks, self.kv_sized_from = kv_pool_blocks(config, max_len, block_bytes, fit)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory is too small for one KV block ({block_bytes} bytes)")
         # A sequence must always fit alone, or preemption could never make progress.
@@ -164,16 +175,24 @@ class LLMEngine:
             prepare_rank0(config)
         self.model = build_model(files, self.dtype, config.device, config.block_size, self.max_model_len + 1,
                                  config.quantization, tp=(0, tp))
-        self._choose_kernels(kv_dtype, num_blocks * block_bytes)
+        sliding = None
+        kv_pool_bytes = num_blocks * block_bytes
+        if sliding_bytes:
+            sliding = SlidingBlocks(pool_size(mcfg.sliding_window, config.block_size, config.max_num_seqs,
+                                              config.max_num_batched_tokens, num_blocks),
+                                    config.block_size, mcfg.sliding_window, num_blocks)
+            kv_pool_bytes = num_blocks * (block_bytes - sliding_bytes) + sliding.num_blocks * sliding_bytes
+        self.kv_pool_bytes = kv_pool_bytes
+        self._choose_kernels(kv_dtype, kv_pool_bytes)
         del files
         if config.device == "cpu" and release_freed_memory():   # the load's float tensors, freed: hand back
             self.memory["rss_after_load"] = process_rss() or 0
             log.info("memory: process RSS after load %.0f MiB", self.memory["rss_after_load"] / 2**20)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, sliding)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy, config.batch_prefill_share,
                                    config.long_prompt_threshold, config.max_long_prefill_tokens)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype, config.device)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype, config.device, sliding)
         if tp > 1:          # the other ranks load their shards and join; each step goes to them too
             from tokenfab.distributed.executor import TensorParallelRunner
             self.runner = TensorParallelRunner.start(config, self.model_path, self.runner, num_blocks,

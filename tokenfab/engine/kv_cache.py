@@ -6,17 +6,22 @@
   (a hash collision must never serve wrong K/V).
 - Freed blocks keep their hash and stay reusable until evicted, least recently freed first.
 - Invariant: with no sequence alive, every block has ref count 0 (`num_used_blocks() == 0`).
+- `sliding` (engine/sliding_kv.py): the sliding-window layers' smaller pool, slaved to this one; a
+  sequence returns its out-of-window sliding blocks as it advances.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
 from tokenfab.engine.sequence import Sequence
+from tokenfab.engine.sliding_kv import SlidingBlocks
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding: SlidingBlocks | None = None):
         assert num_blocks > 0 and block_size > 0
+        self.sliding = sliding
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
@@ -34,10 +39,11 @@ class BlockManager:
         return len(self.free)
 
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free)
+        """Blocks held, the sliding pool's included (0 once every sequence is gone)."""
+        return self.num_blocks - len(self.free) + (self.sliding.num_used() if self.sliding else 0)
 
     def usage(self) -> float:
-        return self.num_used_blocks() / self.num_blocks
+        return (self.num_blocks - len(self.free)) / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -71,6 +77,8 @@ class BlockManager:
                 break
             blocks.append(b)
             parent = h
+        if self.sliding is not None:      # the window before the first computed token must still be there
+            blocks = blocks[:self.sliding.hit_length(blocks)]
         return blocks
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -100,15 +108,21 @@ class BlockManager:
         needed = self.blocks_needed(seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens)
         needed -= len(seq.block_table) + len(cached)
         reclaimable_cached = sum(1 for b in cached if self.ref_counts[b] == 0)  # free now, taken by the hit
+        if self.sliding is not None and needed + self.sliding.reclaimable(cached) > len(self.sliding.free):
+            return False
         return needed + reclaimable_cached <= len(self.free)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
         """Give `seq` blocks for `num_new_tokens` more tokens (after taking `cached` prefix blocks).
 
-        Returns False, changing nothing, when the pool is short.
+        Returns False, changing nothing but returning out-of-window sliding blocks, when the pool is short.
         """
+        if self.sliding is not None:
+            self.sliding.release_out_of_window(seq, self.block_hash)
         if not self.can_admit(seq, list(cached), num_new_tokens):
             return False
+        if self.sliding is not None and cached:
+            self.sliding.take_cached(seq, list(cached))
         for b in cached:
             if self.ref_counts[b] == 0:
                 del self.free[b]
@@ -123,6 +137,8 @@ class BlockManager:
                 self.block_hash[b] = self.block_tokens[b] = None
             self.ref_counts[b] = 1
             seq.block_table.append(b)
+            if self.sliding is not None:
+                self.sliding.new_block(b)
         return True
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
@@ -130,6 +146,8 @@ class BlockManager:
         were never registered in the prefix cache: only fully computed, accepted blocks are."""
         keep = self.blocks_needed(num_tokens)
         while len(seq.block_table) > keep:
+            if self.sliding is not None:
+                self.sliding.release_tail(seq, seq.block_table[-1])
             b = seq.block_table.pop()
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] == 0 and self.block_hash[b] is None
@@ -139,6 +157,8 @@ class BlockManager:
     def free_seq(self, seq: Sequence) -> None:
         """Release the sequence's blocks. The tail goes first into the eviction order, so a shared
         prefix (the head of the chain) outlives the request-specific tail."""
+        if self.sliding is not None:
+            self.sliding.release_all(seq, self.block_hash)
         for b in reversed(seq.block_table):
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] >= 0

@@ -22,6 +22,7 @@ import torch
 from tokenfab.engine.prompt_logprobs import rows_for_chunk
 from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.engine.sequence import Sequence
+from tokenfab.engine.sliding_kv import SlidingBlocks
 from tokenfab.model.attention import AttentionMetadata, Int8KVCache, PrefillChunk
 
 
@@ -54,19 +55,37 @@ def reserve_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> to
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str):
-        """kv_dtype torch.int8: the int8 KV cache (values plus a float32 scale per token and head)."""
+    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str,
+                 sliding: SlidingBlocks | None = None):
+        """kv_dtype torch.int8: the int8 KV cache (values plus a float32 scale per token and head).
+        `sliding`: the sliding-window layers get their own pool of `sliding.num_blocks` blocks."""
         cfg = model.config
         self.model, self.device, self.block_size = model, device, block_size
-        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = reserve_zeros(shape, kv_dtype, device)
-        if kv_dtype == torch.int8:
-            self.kv_scales = reserve_zeros(shape[:-1], torch.float32, device)
-            compute = model.embed_tokens.weight.dtype
-            self.kv_caches = [tuple(Int8KVCache(self.kv[i, j], self.kv_scales[i, j], compute) for j in (0, 1))
-                              for i in range(cfg.num_layers)]
-        else:
-            self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
+        self.sliding = sliding
+        own = [sliding is not None and cfg.is_sliding(i) for i in range(cfg.num_layers)]
+        glob, slid = self._pool(own.count(False), num_blocks, kv_dtype), None
+        self.kv, self.kv_scales = glob[0], glob[1]
+        if sliding is not None:
+            slid = self._pool(own.count(True), sliding.num_blocks, kv_dtype)
+        self.kv_caches = [(slid if own[i] else glob)[2][own[:i].count(own[i])] for i in range(cfg.num_layers)]
+
+    def _pool(self, num_layers: int, num_blocks: int, kv_dtype: torch.dtype):
+        """(values, int8 scales or None, per-layer (K, V) caches) for `num_layers` layers."""
+        cfg = self.model.config
+        shape = (num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        kv = reserve_zeros(shape, kv_dtype, self.device)
+        if kv_dtype != torch.int8:
+            return kv, None, [(kv[i, 0], kv[i, 1]) for i in range(num_layers)]
+        scales = reserve_zeros(shape[:-1], torch.float32, self.device)
+        compute = self.model.embed_tokens.weight.dtype
+        return kv, scales, [tuple(Int8KVCache(kv[i, j], scales[i, j], compute) for j in (0, 1))
+                            for i in range(num_layers)]
+
+    def with_sliding(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """`meta` plus the sliding layers' view of it, when they have their own pool."""
+        if self.sliding is not None:
+            meta.sliding = self.sliding.remap(meta)
+        return meta
 
     def prepare(self, batch: ScheduledBatch) -> StepInput:
         bs = self.block_size
@@ -123,6 +142,7 @@ class ModelRunner:
             prefills=prefills,
             positions=torch.tensor(pos, dtype=torch.long, device=dev),
         )
+        self.with_sliding(meta)
         return StepInput(torch.tensor(ids, dtype=torch.long, device=dev), meta.positions,
                          meta, torch.tensor(logits_idx + prompt_idx, dtype=torch.long, device=dev), sampling,
                          prompt_rows)

@@ -43,6 +43,7 @@ class Sequence:
     num_cached_tokens: int = 0          # of the prompt, served by the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hash chain of the full blocks registered so far
+    sliding_start: int = 0              # first block_table entry whose sliding-layer block it holds (sliding_kv.py)
     status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None

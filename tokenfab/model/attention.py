@@ -9,7 +9,8 @@ token's slot is `block_id * block_size + offset` and writes are one `index_copy_
 The portable torch backend gathers each sequence's blocks and calls `scaled_dot_product_attention`.
 It runs on CPU and CUDA; faster backends must agree with it in tests. A sliding-window layer (Gemma 3)
 passes `window`: its queries attend to the last `window` positions only, themselves included (as HF's
-sliding mask); the cache still holds every position (blocks are not freed per layer). On CPU with float32 pools,
+sliding mask). Its pool may hold only the window (engine/sliding_kv.py: `AttentionMetadata.sliding`);
+positions before it read as zeros or stale copies, which the window mask never weighs. On CPU with float32 pools,
 decodes read the blocks in place through tokenfab's C kernel (tokenfab/kernels) instead.
 
 int8 KV cache (`kv_cache_dtype="int8"`): a layer's K and V pools are `Int8KVCache`s, int8 values plus
@@ -44,6 +45,8 @@ class AttentionMetadata:
     decode_max_context: int
     prefills: list[PrefillChunk]
     positions: torch.Tensor | None = None      # [num_tokens] int64, for kernels that apply RoPE themselves
+    # the sliding-window layers' view when they have their own pool (engine/sliding_kv.py), else None
+    sliding: AttentionMetadata | None = None
 
 
 KV_SCALE_BYTES = 4        # one float32 scale per token and head, for K and for V (int8 cache)

@@ -76,7 +76,7 @@ class ModelConfig:
 
     def kv_bytes_for_context(self, context: int, bytes_per_element: float, windowed: bool) -> int:
         """K and V of one sequence of `context` tokens; `windowed`: sliding layers holding only their
-        window (what freeing out-of-window blocks would give; the paged cache keeps every position today)."""
+        window (what the engine's sliding pool holds, engine/sliding_kv.py, up to block rounding)."""
         per_layer_token = 2 * self.num_kv_heads * self.head_dim * bytes_per_element
         tokens = sum(min(context, self.sliding_window) if windowed and self.is_sliding(i) else context
                      for i in range(self.num_layers))

@@ -144,9 +144,13 @@ class LlamaModel(nn.Module):
             tables = self.rope.tables(positions, x.dtype)
             local = self.rope_local
             local_tables = local.tables(positions, x.dtype) if local is not None else None
+            # sliding layers read their own pool when the runner gave them one (engine/sliding_kv.py)
+            sliding_meta = meta.sliding or meta
             for layer, kv in zip(self.layers[:num_layers], kv_caches):
                 if local is not None and layer.self_attn.window is not None:
-                    x = layer(x, local, local_tables, kv, meta)
+                    x = layer(x, local, local_tables, kv, sliding_meta)
+                elif layer.self_attn.window is not None:
+                    x = layer(x, self.rope, tables, kv, sliding_meta)
                 else:
                     x = layer(x, self.rope, tables, kv, meta)
         x = self.norm(x[logits_indices])

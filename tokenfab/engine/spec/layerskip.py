@@ -51,6 +51,7 @@ class LayerSkipProposer:
                 decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev),
                 decode_context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.long, device=dev),
                 decode_max_context=max(pos) + 1, prefills=[], positions=positions)
+            self.runner.with_sliding(meta)
             ids = torch.tensor([last[i] for i in rows], dtype=torch.long, device=dev)
             logits = self.model(ids, positions, self.runner.kv_caches, meta,
                                 torch.arange(len(rows), device=dev), num_layers=self.num_layers)
