@@ -356,13 +356,14 @@ static inline __attribute__((always_inline)) __m512i tf_load_weights512(const vo
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)((const int8_t *)q + b * 32)));
 }
 
-/* tf_qgemm_row on AVX-512: what each extra activation row costs is what a verification step with
- * several rows of one sequence pays (speculative decoding), so the per-row work is cut to three
- * instructions per block: one 32-lane int16 dot (the activation block is its memory operand), one
- * convert, one FMA whose scale comes broadcast from memory. The scales sb[b] * dx[r, b] are
- * multiplied 16 blocks at a time instead of once per block and row. On the 2-core dev VM (1 thread,
- * bundled model) this made a 5-row step of the layers' int4 linears ~1.3x one row instead of ~2.2x,
- * and the q8_0 LM head's ~1.6x instead of ~3.5x (benchmarks/verify_row_cost.py, docs/speculative.md).
+/* tf_qgemm_row on AVX-512: three instructions per block and activation row (one 32-lane int16 dot
+ * with the activation block as its memory operand, one convert, one FMA whose scale comes broadcast
+ * from memory) instead of about eight, and the scales sb[b] * dx[r, b] multiplied 16 blocks at a time.
+ * Per-call minima, 1 thread, the bundled model's int4 shapes streaming over 30 layers (2-core VM,
+ * load ~8): the four linears of a layer 0.21 ms at 1 row (0.30 before) and 0.57 ms at 5 rows (0.83).
+ * Each extra row still costs ~45 us per 3072 x 576 weight, before and after (with the weight in L2):
+ * the int16 dot and the convert both issue on one port, ~2 cycles per block and row, so rows are
+ * cheaper only by int8 activations (tf_qdot, lossy) or a tile unit (AMX), not by this loop.
  * Each row's arithmetic is the same whatever M is, so rows still have no batch effects. */
 static inline __attribute__((always_inline)) void tf_qgemm_row512(const int M, float *out, const int16_t *xq,
                                                                  const float *dx, int64_t K, int64_t nb,
