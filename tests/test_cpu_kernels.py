@@ -108,6 +108,27 @@ def test_quantized_gemm_equals_dequantize_then_linear_to_int16_activation_roundi
     torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=5e-4 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("make", [
+    lambda w: Int4Linear.from_float(w, None, 32),
+    lambda w: Int8Linear.from_float(w),                                     # one group per row: block scales repeated
+    lambda w: Q8_0Linear(torch.randint(-127, 128, w.shape, dtype=torch.int8), torch.rand(w.shape[0], w.shape[1] // 32)),
+], ids=["int4-g32", "int8", "q8_0"])
+def test_quantized_gemm_rows_are_independent_of_how_many_run_together(make):
+    """Speculative verification runs k + 1 rows of one sequence in one call, plain decoding one: each
+    row must come out bit for bit the same either way (greedy equality), for every row count the
+    kernel specializes (1-8, and 9+ in passes of 8). 608 inputs = 19 blocks of 32: a partial chunk of
+    16 blocks and an odd last block in the AVX-512 row kernel."""
+    torch.manual_seed(5)
+    layer = make(torch.randn(80, 608) * 0.05)
+    layer.kernel = "qgemm"
+    x = torch.randn(11, 608)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(11)])
+    ref = F.linear(x, layer.dequantize())
+    torch.testing.assert_close(alone, ref, rtol=1e-4, atol=5e-4 * float(ref.abs().max()))
+    for rows in range(2, 12):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows together differ from one at a time"
+
+
 def test_quantized_gemm_runs_gguf_q4_1_blocks_as_shipped(bundled_path):
     gguf = pytest.importorskip("gguf")
     t = next(t for t in gguf.GGUFReader(bundled_path).tensors if t.tensor_type.name == "Q4_1")
