@@ -143,6 +143,8 @@ def serve_command(args: argparse.Namespace) -> int:
     from tokenfab.engine_args import engine_config_from_args
     engine_config = engine_config_from_args(args)
     server_config = server_config_from_args(args)
+    if engine_config.step_time_budget_ms is None and server_config.slo_tpot_ms is not None:
+        engine_config.step_time_budget_ms = server_config.slo_tpot_ms   # batch fills steps up to the TPOT target
     step_log = None
     if args.step_log:                   # opened before the slow model load, so a bad path fails fast
         from tokenfab.cli import CLIError
