@@ -7,9 +7,14 @@ over them (a few milliseconds of numpy on the engine thread). Two readers share 
   prefill chunks so that a step stays within the interactive TPOT target;
 - SLO admission (server/slo.py), which predicts a new request's TTFT from it.
 Until MIN_ROWS steps have run, `cost` is None and neither uses it.
+
+The refit runs on one BLAS thread: numpy's OpenBLAS, left to its own thread pool beside torch's busy
+OpenMP threads, took 60-400 ms for the small least-squares (a stall every REFIT_EVERY steps, i.e. in
+every P99), against 1-40 ms on one thread (the 2-core VM, busy).
 """
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 
 from tokenfab.plan.roofline import StepShape
@@ -39,7 +44,16 @@ class OnlineStepModel:
         self.since_fit += 1
         if len(self.rows) >= MIN_ROWS and (self.cost is None or self.since_fit >= REFIT_EVERY):
             try:
-                self.cost = MeasuredStepCost.fit(list(self.rows))
+                with _one_blas_thread():
+                    self.cost = MeasuredStepCost.fit(list(self.rows))
             except (ValueError, ArithmeticError):
                 pass
             self.since_fit = 0
+
+
+def _one_blas_thread():
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:               # a runtime dependency; without it the fit just runs on numpy's default
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=1)
