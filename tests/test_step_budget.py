@@ -165,3 +165,17 @@ def test_engine_config_rejects_a_bad_step_time_budget():
     for bad in ({"step_time_budget_ms": 0}, {"step_time_slack": -0.1}, {"step_budget_min_tokens": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineConfig(**bad).validate()
+
+
+def test_serve_takes_the_tpot_target_as_the_step_budget_unless_one_is_given():
+    from tokenfab.server.cli import apply_slo_to_step_budget
+    from tokenfab.server.config import ServerConfig
+    engine = EngineConfig()
+    apply_slo_to_step_budget(engine, ServerConfig(slo_tpot_ms=80))
+    assert engine.step_time_budget_ms == 80
+    engine = EngineConfig(step_time_budget_ms=30)
+    apply_slo_to_step_budget(engine, ServerConfig(slo_tpot_ms=80))
+    assert engine.step_time_budget_ms == 30
+    engine = EngineConfig()
+    apply_slo_to_step_budget(engine, ServerConfig())
+    assert engine.step_time_budget_ms is None
