@@ -106,6 +106,10 @@ def main() -> None:
     print(f"batch throughput {batch_tok_s:.1f} tok/s against {idle_tok_s:.1f} tok/s left idle: "
           f"{share} (target >= 70 %)" + (" [the job finished inside the window]" if finished_early else ""))
     print(f"long prompts on: short requests' P99 TTFT x{short['p99_ttft_ms'] / alone['p99_ttft_ms']:.2f} (target <= 1.3)")
+    longs = [b for b in long_run["buckets"][1:] if b.get("completed")]
+    if longs and longs[0].get("median_ttft_ms") is not None:
+        print(f"  (the long prompts themselves: {longs[0]['completed']} of them, P50 TTFT "
+              f"{longs[0]['median_ttft_ms']:.0f} ms: what the step-time budget makes them wait)")
     print("command: python benchmarks/mixed_load.py " + " ".join(sys.argv[1:]))
 
 

@@ -36,6 +36,13 @@ class EngineConfig:
     batch_prefill_share: float = 0.25        # most of a step's token budget batch-class prefills may take (engine/lanes.py)
     long_prompt_threshold: int | None = None  # prompts of at least this many tokens prefill in their own lane
     max_long_prefill_tokens: int = 512       # that lane's prefill tokens per step
+    # -- step-time budget for batch rows and long-prompt prefill (engine/step_budget.py) -------------------
+    enable_step_time_budget: bool = True     # size them with the online step model so interactive steps stay fast
+    step_time_budget_ms: float | None = None  # a step's time limit with them in it; serve --slo-tpot-ms sets it;
+                                             # None: relative, (1 + step_time_slack) x the interactive work's time
+    step_time_slack: float = 0.2             # ... fill may make an interactive step at most 20 % slower
+    step_budget_min_tokens: int = 1          # fill tokens per step over the limit while no interactive prompt
+                                             # waits, so batch work never starves
     seed: int = 0
     num_threads: int | None = None           # torch intra-op threads; None: torch's default
     # -- kernels: chosen once at load (tokenfab/kernels/linear.py, tokenfab/model/backends.py) ----------
@@ -114,6 +121,12 @@ class EngineConfig:
             raise ValueError(f"long_prompt_threshold must be at least 2 tokens, got {self.long_prompt_threshold}")
         if self.max_long_prefill_tokens < 1:
             raise ValueError(f"max_long_prefill_tokens must be positive, got {self.max_long_prefill_tokens}")
+        if self.step_time_budget_ms is not None and not self.step_time_budget_ms > 0:
+            raise ValueError(f"step_time_budget_ms must be positive, got {self.step_time_budget_ms}")
+        if not isinstance(self.step_time_slack, (int, float)) or not self.step_time_slack >= 0:
+            raise ValueError(f"step_time_slack must be a non-negative fraction, got {self.step_time_slack!r}")
+        if not isinstance(self.step_budget_min_tokens, int) or self.step_budget_min_tokens < 0:
+            raise ValueError(f"step_budget_min_tokens must be a non-negative integer, got {self.step_budget_min_tokens!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         from tokenfab.engine.spec.config import SpeculativeConfig

@@ -119,6 +119,18 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                         "--max-long-prefill-tokens per step (default: no lane)")
     g.add_argument("--max-long-prefill-tokens", type=_positive_int, default=None, metavar="TOKENS",
                    help=f"the long-prompt lane's prefill tokens per step (default: {d.max_long_prefill_tokens})")
+    g.add_argument("--enable-step-time-budget", action=argparse.BooleanOptionalAction, default=None,
+                   help="admit batch rows and long-prompt prefill into a step only while the online step model "
+                        "predicts it within the step-time limit (default: "
+                        f"{'on' if d.enable_step_time_budget else 'off'}; docs/batch.md)")
+    g.add_argument("--step-time-budget-ms", type=float, default=None, metavar="MS",
+                   help="that limit (serve: --slo-tpot-ms when given); default: relative, see --step-time-slack")
+    g.add_argument("--step-time-slack", type=float, default=None, metavar="FRACTION",
+                   help="without a limit in ms, batch and long-prompt work may make a step at most this much slower "
+                        f"than its interactive work alone (default: {d.step_time_slack})")
+    g.add_argument("--step-budget-min-tokens", type=int, default=None, metavar="TOKENS",
+                   help="batch / long-prompt tokens a step takes over the limit while no interactive prompt waits, "
+                        f"so batch work never starves (default: {d.step_budget_min_tokens})")
     g.add_argument("--seed", type=int, default=None, help=f"engine seed (default: {d.seed})")
     g.add_argument("--num-threads", type=_positive_int, default=None,
                    help="torch intra-op threads (default: torch's choice)")

@@ -19,6 +19,8 @@ from tokenfab.engine.memory import float_copy_budget, process_rss, release_freed
 from tokenfab.engine.runner import ModelRunner
 from tokenfab.engine.sampler import Sampler, SampleRow
 from tokenfab.engine.scheduler import Scheduler
+from tokenfab.engine.step_budget import StepBudget
+from tokenfab.engine.step_cost import OnlineStepModel
 from tokenfab.engine.structured import GrammarCompiler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.engine.sliding_kv import SlidingBlocks, fit_blocks, pool_size, sliding_layer_share
@@ -189,9 +191,13 @@ class LLMEngine:
             self.memory["rss_after_load"] = process_rss() or 0
             log.info("memory: process RSS after load %.0f MiB", self.memory["rss_after_load"] / 2**20)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, sliding)
+        self.step_cost = OnlineStepModel()     # step times, fitted online: the step budget and SLO admission read it
+        budget = (StepBudget(self.step_cost, config.step_time_budget_ms / 1e3 if config.step_time_budget_ms else None,
+                             config.step_time_slack, config.step_budget_min_tokens)
+                  if config.enable_step_time_budget else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy, config.batch_prefill_share,
-                                   config.long_prompt_threshold, config.max_long_prefill_tokens)
+                                   config.long_prompt_threshold, config.max_long_prefill_tokens, budget)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype, config.device, sliding)
         if tp > 1:          # the other ranks load their shards and join; each step goes to them too
             from tokenfab.distributed.executor import TensorParallelRunner
@@ -350,8 +356,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        shapes = ([(s.num_computed_tokens, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
-                  if self.step_observer is not None else None)
+        shapes = [(s.num_computed_tokens, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
         now = time.monotonic()
         for seq in batch.seqs:
             if seq.scheduled_time is None:
@@ -399,8 +404,10 @@ class LLMEngine:
             self._finish(seq, SequenceStatus.FINISHED_LENGTH, None)
             touched[seq.request_id] = None
         outputs = [self._request_output(rid) for rid in touched]
-        if shapes is not None:
-            self.step_observer(shapes, t_start, time.perf_counter(), self.has_unfinished_requests())
+        t_end = time.perf_counter()
+        self.step_cost.observe(shapes, t_end - t_start)
+        if self.step_observer is not None:
+            self.step_observer(shapes, t_start, t_end, self.has_unfinished_requests())
         return outputs
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, runs: list[tuple[Sequence, int, int]]) -> None:

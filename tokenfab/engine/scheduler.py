@@ -1,8 +1,12 @@
 """Scheduler: continuous batching under a token budget, with chunked prefill and preemption.
 
 Each step spends `max_num_batched_tokens` tokens over at most `max_num_seqs` sequences:
-1. running sequences first: decodes (one token) and prefills in progress (chunked to the budget);
-2. then waiting sequences, admitted while the budget, the sequence cap and the KV pool allow.
+1. firm work first: running interactive sequences (decodes, and prefills in progress, chunked to the
+   budget), then waiting interactive prompts, admitted while the budget, the sequence cap and the KV
+   pool allow;
+2. then fill work: batch-class rows and prefill chunks in the long-prompt lane, running ones first,
+   under the step-time budget when one is set (engine/step_budget.py: admitted only while the step
+   model predicts the step within the interactive TPOT target; prefill chunks shrink to fit).
 Prefill chunks and decodes go into one flat batch. When the pool runs dry, the newest running
 sequence (or the lowest-priority one under the priority policy) is preempted by recompute: its blocks
 are freed and it goes back to the front of the queue, keeping the tokens it generated.
@@ -17,6 +21,8 @@ from dataclasses import dataclass, field
 from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.lanes import BATCH, INTERACTIVE, PrefillCaps, class_rank
 from tokenfab.engine.sequence import Sequence, SequenceStatus
+from tokenfab.engine.step_budget import StepBudget
+from tokenfab.plan.roofline import StepShape
 
 
 @dataclass(slots=True)
@@ -34,11 +40,26 @@ class ScheduledBatch:
         return len(self.seqs)
 
 
+@dataclass(slots=True)
+class _StepPlan:
+    """What one schedule() call has spent so far."""
+    batch: ScheduledBatch
+    tokens_left: int                 # of max_num_batched_tokens
+    caps: PrefillCaps
+    shape: StepShape                 # the step so far, for the step-time budget
+    scheduled: set[int]
+    room_made: int = 0               # preemptions made for the interactive queue head
+    limit: float | None = None       # the step's time limit for fill work (None: none)
+    floor_left: int = 0              # fill tokens still allowed over the limit (the progress floor)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs", batch_prefill_share: float = 1.0,
-                 long_prompt_threshold: int | None = None, max_long_prefill_tokens: int | None = None):
+                 long_prompt_threshold: int | None = None, max_long_prefill_tokens: int | None = None,
+                 step_budget: StepBudget | None = None):
         self.bm = block_manager
+        self.step_budget = step_budget
         self.batch_prefill_share = batch_prefill_share
         self.long_prompt_threshold = long_prompt_threshold
         self.max_long_prefill_tokens = max_long_prefill_tokens
@@ -99,57 +120,96 @@ class Scheduler:
         self.add(seq, front=True)
         batch.preempted.append(seq)
 
+    def _is_long(self, seq: Sequence) -> bool:
+        return self.long_prompt_threshold is not None and seq.num_prompt_tokens >= self.long_prompt_threshold
+
+    def _is_fill(self, seq: Sequence, n: int) -> bool:
+        """Batch rows, and prefill chunks (n > 1 tokens to run) in the long-prompt lane: the work that goes
+        into a step after the interactive work, under the step-time budget (engine/step_budget.py)."""
+        return seq.service_class == BATCH or (n > 1 and self._is_long(seq))
+
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        scheduled: set[int] = set()
-        caps = PrefillCaps.for_step(budget, self.batch_prefill_share, self.long_prompt_threshold,
+        caps = PrefillCaps.for_step(self.max_num_batched_tokens, self.batch_prefill_share, self.long_prompt_threshold,
                                     self.max_long_prefill_tokens) if self.chunked else PrefillCaps(None, None, None)
-        self._make_room_for_interactive(batch)
-        room_made = len(batch.preempted)
+        plan = _StepPlan(ScheduledBatch(), self.max_num_batched_tokens, caps, StepShape(), set())
+        self._make_room_for_interactive(plan.batch)
+        plan.room_made = len(plan.batch.preempted)
+        # Running sequences: interactive, then batch, each oldest first (the running list is in admission order).
+        running = sorted(self.running, key=class_rank)
+        fill = [s for s in running if self._is_fill(s, s.num_tokens - s.num_computed_tokens)]
 
-        # 1. Running sequences: interactive, then batch, each oldest first (the running list is in admission order).
-        for seq in sorted(self.running, key=class_rank):
-            if budget <= 0:
-                break
-            if seq not in self.running:      # preempted earlier in this loop
-                continue
-            n = seq.num_tokens - seq.num_computed_tokens
-            if seq.spec_tokens:
-                # Drafts (engine/spec) are optional: cut to the budget, and dropped rather than preempt anyone.
-                n = min(n + len(seq.spec_tokens), budget)
-                if not self.bm.allocate(seq, n):
-                    n = 1
-                seq.spec_tokens = seq.spec_tokens[:n - 1]
-            else:                            # the lanes cap prefills; a decode's drafts are not one
-                n = caps.clamp(seq, min(n, budget))
+        # 1. Firm work: running interactive sequences (decodes, short prefills), then waiting short prompts.
+        for seq in running:
+            if seq not in fill:
+                self._schedule_running(seq, plan, is_fill=False)
+        self._admit_waiting(plan, is_fill=False)
+
+        # 2. Fill work within the step-time budget: long-prompt prefills, then batch rows, running ones first.
+        if self.step_budget is not None:
+            plan.limit = self.step_budget.limit(plan.shape)
+            short_waiting = any(s.service_class != BATCH and not self._is_long(s) for s in self.waiting)
+            plan.floor_left = 0 if short_waiting else self.step_budget.min_tokens
+        for seq in fill:
+            self._schedule_running(seq, plan, is_fill=True)
+        self._admit_waiting(plan, is_fill=True)
+        return plan.batch
+
+    def _fit(self, seq: Sequence, computed: int, n: int, plan: "_StepPlan") -> int:
+        """Fill tokens of `n` that keep the step within its time limit (or the progress floor)."""
+        if plan.limit is None or n <= 0:
+            return n
+        k = max(self.step_budget.fit(plan.shape, computed, n, plan.limit), min(n, plan.floor_left))
+        if not self.chunked and n > 1 and k < n:       # an unchunked prompt runs whole or waits
+            return n if plan.floor_left > 0 else 0
+        return k
+
+    def _schedule_running(self, seq: Sequence, plan: "_StepPlan", is_fill: bool) -> None:
+        if plan.tokens_left <= 0 or seq not in self.running:      # not preempted earlier in this step
+            return
+        n = seq.num_tokens - seq.num_computed_tokens
+        drafts = bool(seq.spec_tokens)
+        if drafts:
+            # Drafts (engine/spec) are optional: cut to the budget, and dropped rather than preempt anyone.
+            n = min(n + len(seq.spec_tokens), plan.tokens_left)
+            if is_fill:
+                n = self._fit(seq, seq.num_computed_tokens, n, plan)
                 if n <= 0:
-                    continue
-            while not self.bm.allocate(seq, n):
-                victim = self._victim(exclude=scheduled)   # seq itself is always a candidate
-                self._preempt(victim, batch)
-                if victim is seq:
-                    break
-            if seq not in self.running:
-                continue
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            scheduled.add(seq.seq_id)
-            if not seq.spec_tokens:
-                caps.spend(seq, n)
-            budget -= n
+                    return
+            if not self.bm.allocate(seq, n):
+                n = 1
+            seq.spec_tokens = seq.spec_tokens[:n - 1]
+        else:                            # the lanes cap prefills; a decode's drafts are not one
+            n = plan.caps.clamp(seq, min(n, plan.tokens_left))
+            if is_fill:
+                n = self._fit(seq, seq.num_computed_tokens, n, plan)
+            if n <= 0:
+                return
+        while not self.bm.allocate(seq, n):
+            victim = self._victim(exclude=plan.scheduled)   # seq itself is always a candidate
+            self._preempt(victim, plan.batch)
+            if victim is seq:
+                break
+        if seq not in self.running:
+            return
+        self._take(seq, seq.num_computed_tokens, n, plan, is_fill, spend_caps=not drafts)
 
-        # 2. Waiting sequences in queue order, unless step 1 had to preempt (the pool is tight). One whose
-        # lane is spent this step is passed over, so the short prompts behind it still start.
+    def _admit_waiting(self, plan: "_StepPlan", is_fill: bool) -> None:
+        """Waiting sequences of the kind asked in queue order, unless the running ones had to preempt (the
+        pool is tight). One whose lane is spent this step is passed over, so the prompts behind it still start."""
         for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs or len(batch.preempted) > room_made:
+            if plan.tokens_left <= 0 or len(self.running) >= self.max_num_seqs \
+                    or len(plan.batch.preempted) > plan.room_made:
                 break
             cached = self.bm.find_cached_prefix(seq)
             num_cached = len(cached) * self.bm.block_size
             n = seq.num_tokens - num_cached
-            if not self.chunked and n > budget:
+            if self._is_fill(seq, n) != is_fill:
+                continue
+            if not self.chunked and n > plan.tokens_left:
                 break
-            n = caps.clamp(seq, min(n, budget))
+            n = plan.caps.clamp(seq, min(n, plan.tokens_left))
+            if is_fill:
+                n = self._fit(seq, num_cached, n, plan)
             if n <= 0:
                 continue
             if not self.bm.allocate(seq, n, cached):
@@ -161,12 +221,19 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            scheduled.add(seq.seq_id)
-            caps.spend(seq, n)
-            budget -= n
-        return batch
+            self._take(seq, num_cached, n, plan, is_fill)
+
+    @staticmethod
+    def _take(seq: Sequence, computed: int, n: int, plan: "_StepPlan", is_fill: bool, spend_caps: bool = True) -> None:
+        plan.batch.seqs.append(seq)
+        plan.batch.num_new_tokens.append(n)
+        plan.scheduled.add(seq.seq_id)
+        if spend_caps:
+            plan.caps.spend(seq, n)
+        plan.tokens_left -= n
+        plan.shape.add(computed, n)
+        if is_fill:
+            plan.floor_left -= n
 
     def _make_room_for_interactive(self, batch: ScheduledBatch) -> None:
         """Preempt running batch sequences, newest first, while the interactive sequence at the head of

@@ -139,10 +139,18 @@ def small_batch_threads(flag: int | None) -> int | None:
     return flag or None
 
 
+def apply_slo_to_step_budget(engine_config, server_config) -> None:
+    """--slo-tpot-ms is the step-time budget's limit unless --step-time-budget-ms says otherwise: batch work
+    and long prompts then fill each step up to the interactive TPOT target (engine/step_budget.py)."""
+    if engine_config.step_time_budget_ms is None and server_config.slo_tpot_ms is not None:
+        engine_config.step_time_budget_ms = server_config.slo_tpot_ms
+
+
 def serve_command(args: argparse.Namespace) -> int:
     from tokenfab.engine_args import engine_config_from_args
     engine_config = engine_config_from_args(args)
     server_config = server_config_from_args(args)
+    apply_slo_to_step_budget(engine_config, server_config)
     step_log = None
     if args.step_log:                   # opened before the slow model load, so a bad path fails fast
         from tokenfab.cli import CLIError

@@ -3,9 +3,9 @@ target cannot be met, and report predicted and achieved latency and goodput per 
 
     tokenfab serve --slo-ttft-ms 2000 --slo-tpot-ms 200
 
-- The step cost is `plan`'s model (`MeasuredStepCost`), fitted online to this server's own steps: the
-  engine's `step_observer` feeds every step's shape and wall time to `OnlineStepCost`, which refits
-  every REFIT_EVERY steps over the last WINDOW. Until MIN_ROWS steps have run nothing is shed.
+- The step cost is `plan`'s model (`MeasuredStepCost`), fitted online to this server's own steps by
+  the engine (engine/step_cost.py: refitted every REFIT_EVERY steps over the last WINDOW); the
+  scheduler's step-time budget reads the same model. Until MIN_ROWS steps have run nothing is shed.
 - The queue is read in the engine thread at the end of each step (`QueueSnapshot`): interactive
   prefill tokens still to run, running decodes and their mean context, and the batch prefill chunk a
   step carries. Requests admitted since that snapshot are added on the event loop.
@@ -35,9 +35,6 @@ from tokenfab.plan.roofline import StepShape
 from tokenfab.plan.step_table import MeasuredStepCost
 from tokenfab.server.errors import APIError
 
-MIN_ROWS = 32
-REFIT_EVERY = 64
-WINDOW = 1024
 LATENCY_WINDOW = 1000          # requests per class behind the P99 gauges
 MAX_SIMULATED_STEPS = 4096
 SLOT_HORIZON = 64              # running interactive sequences whose remaining steps a snapshot keeps
@@ -132,32 +129,21 @@ def predict_tpot(cost, snap: QueueSnapshot) -> float:
 
 
 class OnlineStepCost:
-    """The engine's step_observer: collects step rows, refits the step model, snapshots the queue.
-    Runs in the engine thread; `cost` and `snapshot` are replaced whole, so readers never lock."""
+    """The engine's step_observer: takes the engine's refitted step model (engine/step_cost.py) and
+    snapshots the queue. Runs in the engine thread; `cost` and `snapshot` are replaced whole, so
+    readers never lock."""
 
     def __init__(self, engine, then=None) -> None:
         self.engine, self.then = engine, then      # `then`: an observer that was already set (StepLog)
         self.budget = engine.config.max_num_batched_tokens
-        self.rows: deque[dict] = deque(maxlen=WINDOW)
-        self.since_fit = 0
         self.cost: MeasuredStepCost | None = None
         self.snapshot = QueueSnapshot()
 
     def __call__(self, steps, start: float, end: float, busy: bool) -> None:
         if self.then is not None:
             self.then(steps, start, end, busy)
-        s = StepShape()
-        for computed, n in steps:
-            s.add(computed, n)
-        self.rows.append({"num_tokens": s.num_tokens, "num_seqs": s.num_seqs, "attn_pairs": s.attn_pairs,
-                          "kv_tokens": s.kv_tokens, "step_s": max(end - start, 1e-6)})
-        self.since_fit += 1
-        if len(self.rows) >= MIN_ROWS and (self.cost is None or self.since_fit >= REFIT_EVERY):
-            try:
-                self.cost = MeasuredStepCost.fit(list(self.rows))
-            except (ValueError, ArithmeticError):
-                pass
-            self.since_fit = 0
+        if self.engine.step_cost.cost is not None:
+            self.cost = self.engine.step_cost.cost
         self.snapshot = QueueSnapshot.of(self.engine.scheduler, self.budget)
 
 
