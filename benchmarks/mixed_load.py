@@ -35,7 +35,9 @@ from tests.serve_process import serve  # noqa: E402
 def bench(url: str, args, out: str, *extra: str) -> dict:
     cmd = [sys.executable, "-m", "tokenfab", "bench", "serve", "--base-url", url, "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--ignore-eos", "--no-progress", "--seed", "0",
-           "--buckets", str(args.long_input_len), "--out", out, *extra]
+           # one edge between the short and the long prompts: a long prompt of exactly --long-input-len
+           # tokens would fall in the first bucket if the edge were that length (buckets hold their edge)
+           "--buckets", str((args.input_len + args.long_input_len) // 2), "--out", out, *extra]
     subprocess.run(cmd, check=True, capture_output=True, timeout=900)
     return json.load(open(out))["runs"][0]
 
