@@ -226,7 +226,9 @@ def test_workers_exit_when_the_engine_process_is_killed(tiny_llama):
     path = os.path.join(os.path.dirname(tiny_llama), "tp_parent.py")
     with open(path, "w") as f:
         f.write(script)
-    r = subprocess.run([sys.executable, path], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    # the script lives outside the checkout: put the checkout on its path, installed or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    r = subprocess.run([sys.executable, path], capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     pids = [int(p) for p in r.stdout.split()]
     assert pids
