@@ -6,6 +6,8 @@ from tokenfab.engine.scheduler import Scheduler
 from tokenfab.engine.sequence import Sequence
 from tokenfab.sampling import SamplingParams
 
+from tests.scheduler_steps import run_step
+
 BLOCK = 4
 
 
@@ -17,17 +19,6 @@ def seq(rid: str, n: int, cls: str = "interactive", tokens: list[int] | None = N
 
 def sched(blocks: int = 64, seqs: int = 8, budget: int = 64, **kw) -> Scheduler:
     return Scheduler(BlockManager(blocks, BLOCK, enable_prefix_caching=True), seqs, budget, **kw)
-
-
-def run_step(s: Scheduler) -> dict[str, int]:
-    """Schedule one step and pretend it ran (prefill progress, and one sampled token per finished prefill)."""
-    batch = s.schedule()
-    for q, n in zip(batch.seqs, batch.num_new_tokens):
-        q.num_computed_tokens += n
-        s.bm.cache_full_blocks(q)
-        if q.num_computed_tokens == q.num_tokens:
-            q.token_ids.append(7)
-    return {q.request_id: n for q, n in zip(batch.seqs, batch.num_new_tokens)}
 
 
 def test_interactive_request_is_queued_ahead_of_waiting_batch_work():

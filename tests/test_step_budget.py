@@ -15,6 +15,8 @@ from tokenfab.plan.roofline import StepShape
 from tokenfab.plan.step_table import MeasuredStepCost
 from tokenfab.sampling import SamplingParams
 
+from tests.scheduler_steps import run_step
+
 BLOCK = 4
 # 1 ms per token in a step, nothing else.
 PER_TOKEN = MeasuredStepCost(knots=(0.0, 1000.0), values=(0.0, 1.0),
@@ -31,17 +33,6 @@ def sched(target_ms: float | None = None, slack: float = 0.2, min_tokens: int = 
     model = SimpleNamespace(cost=None)                # uncalibrated until a test sets it
     step_budget = StepBudget(model, None if target_ms is None else target_ms / 1e3, slack, min_tokens)
     return Scheduler(BlockManager(256, BLOCK), seqs, budget, step_budget=step_budget, **kw), model
-
-
-def run_step(s: Scheduler) -> dict[str, int]:
-    """Schedule one step and pretend it ran (prefill progress, one sampled token per finished prefill)."""
-    batch = s.schedule()
-    for q, n in zip(batch.seqs, batch.num_new_tokens):
-        q.num_computed_tokens += n
-        s.bm.cache_full_blocks(q)
-        if q.num_computed_tokens == q.num_tokens:
-            q.token_ids.append(7)
-    return {q.request_id: n for q, n in zip(batch.seqs, batch.num_new_tokens)}
 
 
 def decoding(s: Scheduler, *specs: tuple[str, str]) -> None:

@@ -156,7 +156,7 @@ class LLMEngine:
         block_bytes = self.kv_bytes_per_token * config.block_size
         # Sliding-window layers (Gemma 3) keep only their window, in a pool of their own (engine/sliding_kv.py)
         n_sliding, n_layers = sliding_layer_share(mcfg)
-        sliding_bytes, fit = 0, None
+        sliding_bytes, sliding_need, fit = 0, 0, None
         if n_sliding and config.sliding_window_pool and config.tensor_parallel_size == 1:
             sliding_bytes = kv_bytes_per_token(mcfg, kv_dtype) * config.block_size * n_sliding // n_layers
             sliding_need = pool_size(mcfg.sliding_window, config.block_size, config.max_num_seqs,
@@ -180,9 +180,8 @@ class LLMEngine:
         sliding = None
         kv_pool_bytes = num_blocks * block_bytes
         if sliding_bytes:
-            sliding = SlidingBlocks(pool_size(mcfg.sliding_window, config.block_size, config.max_num_seqs,
-                                              config.max_num_batched_tokens, num_blocks),
-                                    config.block_size, mcfg.sliding_window, num_blocks)
+            sliding = SlidingBlocks(min(sliding_need, num_blocks) + 1, config.block_size, mcfg.sliding_window,
+                                    num_blocks)
             kv_pool_bytes = num_blocks * (block_bytes - sliding_bytes) + sliding.num_blocks * sliding_bytes
         self.kv_pool_bytes = kv_pool_bytes
         self._choose_kernels(kv_dtype, kv_pool_bytes)

@@ -55,7 +55,7 @@ class BlockManager:
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of `seq`, leaving at least one token to compute."""
-        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+        if seq.needs_prompt_logprobs:
             return []   # cached K/V would skip the positions whose logits score the prompt
         return self.cached_blocks(seq.token_ids)
 

@@ -135,13 +135,13 @@ class Scheduler:
         self._make_room_for_interactive(plan.batch)
         plan.room_made = len(plan.batch.preempted)
         # Running sequences: interactive, then batch, each oldest first (the running list is in admission order).
-        running = sorted(self.running, key=class_rank)
-        fill = [s for s in running if self._is_fill(s, s.num_tokens - s.num_computed_tokens)]
+        firm, fill = [], []
+        for seq in sorted(self.running, key=class_rank):
+            (fill if self._is_fill(seq, seq.num_tokens - seq.num_computed_tokens) else firm).append(seq)
 
         # 1. Firm work: running interactive sequences (decodes, short prefills), then waiting short prompts.
-        for seq in running:
-            if seq not in fill:
-                self._schedule_running(seq, plan, is_fill=False)
+        for seq in firm:
+            self._schedule_running(seq, plan, is_fill=False)
         self._admit_waiting(plan, is_fill=False)
 
         # 2. Fill work within the step-time budget: long-prompt prefills, then batch rows, running ones first.
