@@ -80,6 +80,14 @@ def test_kv_capacity_named_from_full_pool_and_preemptions_and_queue_is_not_claim
     assert "97%" in text and "--kv-cache-dtype int8" in text and "--kv-cache-memory" in text
 
 
+def test_preemptions_are_kv_capacity_even_when_both_usage_samples_missed_the_full_pool():
+    # Preemption happens only when no block is free; the gauge is a point sample at each scrape.
+    w = window(kv=0.5, preemptions=4, waiting=(1, 3), running=2, ttft_s=0.30, queue_s=0.25)
+    assert kinds(rules.diagnose(w)[0]) == ["kv_capacity"]
+    assert kinds(rules.diagnose(window(kv=0.5, preemptions=0, waiting=(1, 3), running=2, ttft_s=0.30,
+                                       queue_s=0.25))[0]) == ["queueing"]
+
+
 def test_kv_full_with_the_sequence_cap_reached_is_not_kv_capacity():
     # 64 of 64 running and waiting: the cap, not the pool, holds requests back (and there are no preemptions).
     w = window(kv=0.95, running=64, waiting=(0, 0))

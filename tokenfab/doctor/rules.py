@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from tokenfab.doctor.scrape import Window
 
 KV_FULL = 0.90              # usage at which admission starts to fail
-KV_PREEMPT_USAGE = 0.80     # preemptions with the pool at least this full are KV pressure
+KV_ROOMY = 0.80             # below this the pool is not what holds the batch back
 QUEUE_GROWTH_MIN = 2        # waiting requests at the end that, growing, mean a queue
 QUEUE_SHARE = 0.5           # TTFT mostly queue time
 QUEUE_MIN_S = 0.05
@@ -110,7 +110,9 @@ def _ms(s: float) -> str:
 def kv_capacity(m: Measured) -> Finding | None:
     cap = m.config.get("max_num_seqs")
     slots_free = cap is None or m.running < cap
-    preempting = m.preemptions > 0 and m.kv_usage >= KV_PREEMPT_USAGE
+    # The scheduler preempts only when no KV block is free, so a preemption in the window is the pool
+    # running out. The usage gauge is a point sample at each scrape and may catch the pool between bursts.
+    preempting = m.preemptions > 0
     blocked = m.kv_usage >= KV_FULL and m.waiting_after > 0 and slots_free
     if not (preempting or blocked):
         return None
@@ -150,7 +152,7 @@ def queueing(m: Measured) -> Finding | None:
     arrivals = m.finished_per_s + max(0.0, m.waiting_after - m.waiting_before) / m.seconds
     advice = []
     cap = m.config.get("max_num_seqs")
-    if cap and m.running >= 0.9 * cap and m.kv_usage < KV_PREEMPT_USAGE:
+    if cap and m.running >= 0.9 * cap and m.kv_usage < KV_ROOMY:
         advice.append(f"the batch is at --max-num-seqs {cap} with the KV pool {m.kv_usage:.0%} full: "
                       "raise --max-num-seqs")
     if m.finished_per_s > 0:

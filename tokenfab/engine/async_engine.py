@@ -144,6 +144,9 @@ class AsyncEngine:
         released (`start`), all threads won on every step size measured (docs/serving.md)."""
         self.engine = engine
         self.small_batch_threads = small_batch_threads
+        # Read here, in the caller's thread: a new thread's first torch call takes the last count set by
+        # *any* thread, which need not be this engine's.
+        self._full_threads = (small_batch_threads and engine.config.num_threads) or torch.get_num_threads()
         self.max_waiting_requests = max_waiting_requests
         self.max_consecutive_failures = max_consecutive_failures
         self.listener = listener
@@ -304,7 +307,7 @@ class AsyncEngine:
     def _run(self) -> None:
         failures = 0
         if self.small_batch_threads:
-            self.engine.before_execute = functools.partial(self._threads_for_step, torch.get_num_threads())
+            self.engine.before_execute = functools.partial(self._threads_for_step, self._full_threads)
             self.engine.thread_controller = None       # one owner of the thread count
         try:
             while True:
