@@ -30,10 +30,12 @@ def main() -> None:
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                     help="cpu: this thread's CPU time (default; needs --num-threads 1 to see all the work), wall: elapsed")
     ap.add_argument("--rounds", type=int, default=6, help="rounds over the row counts; minimum per call kept (default 6)")
+    ap.add_argument("--linear-kernel", default="auto",
+                    help="force one linear kernel (e.g. qgemm, qtile) to compare; default: the measured table's choice")
     args = ap.parse_args()
     if args.clock == "cpu" and args.num_threads != 1:
         sys.exit("--clock cpu counts this thread only: add --num-threads 1 (or use --clock wall)")
-    llm = LLM(max_model_len=1024, num_kv_blocks=64, num_threads=args.num_threads)
+    llm = LLM(max_model_len=1024, num_kv_blocks=64, num_threads=args.num_threads, linear_kernel=args.linear_kernel)
     model, kv, bs = llm.engine.model, llm.engine.runner.kv_caches, llm.engine.config.block_size
     table = list(range(-(-(args.context + 16) // bs)))
 
@@ -66,6 +68,8 @@ def main() -> None:
                 t2 = clock()
                 b[0], b[1] = min(b[0], (t1 - t) * 1e3), min(b[1], (t2 - t1) * 1e3)
     med = {m: tuple(v) for m, v in best.items()}
+    plan = model.layers[0].mlp.gate_up_proj.plan
+    print(f"kernels: decoder {plan.names() if plan else None}, head {model.lm_head.plan.names() if getattr(model.lm_head, 'plan', None) else None}")
     base = sum(med[1])
     for m, (s, h) in med.items():
         cost = f"  row cost {(s + h) / base - 1:.2f} / (M - 1) = {((s + h) / base - 1) / (m - 1):.2f}" if m > 1 else ""

@@ -67,6 +67,8 @@ _SIGNATURES = {
     "tf_kgemm": [_P, _P, _I, _I, _I, _P, _I],
     "tf_kdequant": [_P, _P, _I, _I, _I],
     "tf_qdot": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
+    "tf_qtile": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
+    "tf_qtile_ref": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_decode_layers": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _I, _P, _I, _F],
 }
 QGEMM_MAX_ROWS = 16     # rows tf_qgemm takes (8 per pass over W, TF_MAX_ROWS in cpu.c); 2-core VM: beats the
@@ -169,6 +171,7 @@ def _build() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
     lib.tf_isa.argtypes, lib.tf_isa.restype = [], ctypes.c_int64
+    lib.tf_amx_available.argtypes, lib.tf_amx_available.restype = [], ctypes.c_int64
     _isa = isa
     return lib
 
@@ -308,6 +311,57 @@ def qdot(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | No
     return y
 
 
+QTILE_FLAG = 512         # tf_qgemm's `bits | QTILE_FLAG` runs tf_qtile (a qtile layout in the decode stack)
+QTILE_MAX_ROWS = 16      # rows tf_qtile takes per pass over the weight (TF_QTILE_ROWS in cpu.c)
+
+
+def amx_available() -> bool:
+    """True when the loaded kernels can run AMX int8 tiles here: a build with them, a CPU with them
+    (amx_tile, amx_int8) and Linux's XTILEDATA permission, requested on the first call (tf_amx_available)."""
+    return enabled() and bool(_lib.tf_amx_available())
+
+
+def qtile_pack(layout: tuple, out_features: int) -> tuple:
+    """A tf_qgemm layout (q, d, m, gs, bits 4 or 8) -> tf_qtile's (cpu.c): outputs in tiles of 16, each
+    block of 32 inputs as the tile unit's B operand (int8 as is; int4 as nibbles, two B rows per 64
+    bytes), one scale per block, int4's offsets per group. Same bytes as the input layout, plus the
+    per-block scales where a group spans several blocks."""
+    q, d, m, gs, bits = layout
+    N = out_features
+    assert bits in (4, 8) and N % 16 == 0 and q.shape[0] == N
+    K = q.shape[1] * (2 if bits == 4 else 1)
+    nb, T = K // 32, N // 16
+    if bits == 4:
+        raw = q.view(torch.uint8).reshape(N, nb, 16)
+        w = torch.cat([raw & 0x0F, raw >> 4], dim=2)                 # [N, nb, 32], weight j in lane j
+    else:
+        w = q.view(torch.uint8).reshape(N, nb, 32)
+    w = w.reshape(T, 16, nb, 8, 4).permute(0, 2, 3, 1, 4)           # [T, nb, B row i, output n, k 4i + j]
+    if bits == 4:                                                     # rows 2c, 2c + 1 share chunk c's bytes
+        w = w.reshape(T, nb, 4, 2, 16, 4)
+        packed = (w[:, :, :, 0] | (w[:, :, :, 1] << 4)).contiguous().view(N, K // 2)
+    else:
+        packed = w.contiguous().view(torch.int8).view(N, K)
+    db = d.float().repeat_interleave(gs // 32, dim=1) if gs > 32 else d.float()        # [N, nb]
+    dt = db.reshape(T, 16, nb).permute(0, 2, 1).contiguous()
+    mt = None if m is None else m.float().reshape(T, 16, -1).permute(0, 2, 1).contiguous()
+    return packed, dt, mt, gs, bits | QTILE_FLAG
+
+
+def qtile(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group_size: int, bits: int,
+          out_features: int, reference: bool = False) -> torch.Tensor:
+    """x [M, K] float32 @ a qtile layout (`qtile_pack`), float32 [M, out]: AMX int8 tiles where
+    `amx_available()`, else (or with reference=True) the plain C loop with the same arithmetic, bit for
+    bit. A row's result is the same whatever M is."""
+    x = x.contiguous()
+    M, K = x.shape
+    y = torch.empty(M, out_features)
+    fn = _lib.tf_qtile_ref if reference else _lib.tf_qtile
+    fn(y.data_ptr(), x.data_ptr(), M, K, out_features, q.data_ptr(), d.data_ptr(),
+       None if m is None else m.data_ptr(), group_size, bits & ~QTILE_FLAG)
+    return y
+
+
 # GGUF K-quant types tf_qgemm reads as stored (its `bits` argument is then ggml's type id): super-blocks
 # of 256 weights, bytes per super-block (cpu.c, tf_kquant_block_bytes).
 KQUANT_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -317,7 +371,7 @@ KQUANT_BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210}
 def layout_in_features(layout: tuple) -> int:
     """The input width a tf_qgemm layout (q, d, m, gs, bits) covers."""
     q, _, _, _, bits = layout
-    bits &= ~QDOT_FLAG
+    bits &= ~(QDOT_FLAG | QTILE_FLAG)
     if bits in KQUANT_BLOCK_BYTES:
         return q.shape[1] // KQUANT_BLOCK_BYTES[bits] * 256
     return q.shape[1] * (2 if bits == 4 else 1)

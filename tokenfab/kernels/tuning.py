@@ -50,7 +50,10 @@ TABLE_VERSION = 2         # what save() writes; 2 added the row buckets 128-512 
 READABLE_VERSIONS = (1, 2)  # a version-1 table's measurements still hold: it is read, and the buckets it
                           # lacks are measured on the next load (a second or so) and saved as version 2
 CACHE_GENERATION = 1      # part of the cache file's name: bump when old measurements become wrong
-STACK_KERNELS = ("qgemm", "qdot")   # kernels whose layouts the one-call decode stack runs (tf_qgemm, tf_qdot)
+STACK_KERNELS = ("qgemm", "qdot", "qtile")   # kernels whose layouts the one-call decode stack runs (tf_qgemm's flags)
+UNIFORM_KERNELS = ("qgemm", "qtile")   # precise kernels whose float sums differ in the last bits: a plan runs one
+UNIFORM_ROWS = 16         # of them for every row count up to here (at least the stack's rows), so a token's logits
+                          # are the same in a 1-row decode and a 5-row speculative verify (greedy stays identical)
 
 
 # ---------------------------------------------------------------------------- the hand-made rules
@@ -71,7 +74,9 @@ def default_rules(layer: KernelLinear, allow_float_copy: bool = False) -> list[t
     if fmt == "w8a8":
         return [(None, "w8a8" if "w8a8" in ok else "dequant")]
     ranges: list[tuple[int | None, str]] = []
-    if "qgemm" in ok:
+    if "qtile" in ok:        # AMX: as precise as qgemm, as fast at 1 row, 3x faster at 5 (docs/speculative.md)
+        ranges.append((QGEMM_DEFAULT_MAX_ROWS, "qtile"))
+    elif "qgemm" in ok:
         ranges.append((QGEMM_DEFAULT_MAX_ROWS, "qgemm"))
     if "packed" in ok:
         limit = PACKED_DEFAULT_MAX_ROWS.get(fmt, 1)
@@ -226,6 +231,7 @@ class KernelTable:
                 ranges.append((r, pick))
         if not ranges:
             return None
+        _uniform(ranges, e, max(stack_rows, UNIFORM_ROWS))
         last = ranges[-1][1]
         covered = max_rows is not None and ranges[-1][0] >= max_rows     # the layer never sees more rows
         if not covered and get(last).tune_max_rows is not None and "dequant" in allowed:
@@ -233,6 +239,20 @@ class KernelTable:
         else:
             ranges[-1] = (None, last)
         return ranges
+
+
+def _uniform(ranges: list[tuple[int | None, str]], e: dict, upto: int) -> None:
+    """Where the picks up to `upto` rows name more than one of UNIFORM_KERNELS, all of them become the one
+    with the least time summed over those buckets (in place)."""
+    idx = [i for i, (r, pick) in enumerate(ranges) if r <= upto and pick in UNIFORM_KERNELS]
+    names = {ranges[i][1] for i in idx}
+    if len(names) < 2:
+        return
+    col = {r: i for i, r in enumerate(e["rows"])}
+    total = {k: sum(e["times"][k][col[ranges[i][0]]] or float("inf") for i in idx) for k in names}
+    best = min(sorted(names), key=lambda k: total[k])
+    for i in idx:
+        ranges[i] = (ranges[i][0], best)
 
 
 def _well_formed(e) -> bool:

@@ -55,7 +55,7 @@ def _eval_args(e) -> None:
                    "written by `tokenfab quant`")
     e.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default=None,
                    help="int8: the candidate attends over the int8 KV cache (default: auto, float)")
-    e.add_argument("--kernel", choices=("auto", "qgemm", "qdot", "packed", "float", "bf16", "dequant"), default=None,
+    e.add_argument("--kernel", choices=("auto", "qgemm", "qdot", "qtile", "packed", "float", "bf16", "dequant"), default=None,
                    help="quantized layers' path: auto (by token count; whole windows dequantize, so the numbers "
                         "are the weights' error), qdot (int8 activation blocks, integer dot products), packed "
                         "(torch's packed CPU kernels, bf16 activations), bf16 (a bfloat16 oneDNN copy; CPUs with bf16 units) or dequant. Decode's C kernel (qgemm) "

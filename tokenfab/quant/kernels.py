@@ -5,6 +5,9 @@ measured table (tokenfab/kernels/tuning.py), not here:
 - **qgemm**: tokenfab's C kernel (tokenfab/kernels/cpu.c, `tf_qgemm`): reads int4 / int8 / Q8_0 blocks
   directly, activations as int16 per block of 32 (relative error ~2^-16: KL 3e-7 against float on the
   bundled model, where bf16 activations give 1e-3). 8 rows per pass over the weight: decode steps.
+- **qtile**: tf_qtile (cpu.c), int4 / int8 / Q8_0 blocks on AMX int8 tiles: the int16 activations of
+  qgemm split into two exact int8 halves, so as precise; a block for 16 outputs and up to 8 rows in one
+  tile multiply, so extra rows (speculative verify, small decode batches) cost little. AMX CPUs only.
 - **qdot**: tf_qdot (cpu.c), llama.cpp's approach: int8 activation blocks of 32 with their own scale,
   integer dot products against int4 / int8 / Q8_0 / Q4_K / Q6_K blocks (vpdpbusd on VNNI builds,
   AVX2 maddubs otherwise). Lossy (int8 activations): opt-in (EngineConfig.int8_activations), and then
@@ -28,7 +31,7 @@ from tokenfab import kernels as cpu_kernels
 from tokenfab.kernels.linear import KQUANT_FORMATS, register
 
 KERNEL_ALIASES = {"cpu": "qgemm"}     # the C kernel's name before the registry (CLI --kernel cpu)
-KERNELS = ("auto", "qgemm", "cpu", "qdot", "packed", "float", "dequant")   # what `quant eval --kernel` offers
+KERNELS = ("auto", "qgemm", "cpu", "qdot", "qtile", "packed", "float", "dequant")   # what `quant eval --kernel` offers
 
 
 def _on_cpu(layer) -> bool:
@@ -98,6 +101,43 @@ class QDot:
         return cpu_kernels.qdot(x, q, d, m, gs, bits, layer.out_features)
 
 
+class QTile:
+    """tf_qtile (tokenfab/kernels/cpu.c): a few activation rows times int4 / int8 / Q8_0 blocks on AMX int8
+    tiles, one tile multiply per block for 16 outputs and every row at once (int16 activation blocks,
+    split into two int8 halves, so the integer dot is exact: as precise as qgemm). Where qgemm's cost
+    grows by ~2 cycles per block per row, a 5-row step here costs about what 1 row does (speculative
+    verify rows, small decode batches: docs/speculative.md). A row's result never depends on how many
+    rows run together, 1 to 16; its arithmetic (per-block float sums in block order) differs from
+    qgemm's in the last bits, so the table never mixes the two below UNIFORM_ROWS (tuning.py).
+    Needs AMX (amx_tile + amx_int8, Sapphire Rapids or newer) and Linux's permission for it."""
+    name, formats, tune_max_rows, float_copy = "qtile", ("int8", "int4", "q8_0"), 64, False
+    rank, lossy = -1, False           # ahead of qgemm on a tie: as precise, and cheaper per extra row
+
+    def supports(self, layer):
+        why = QGemm().supports(layer)
+        if why is not None:
+            return why
+        if layer.out_features % 16:
+            return "its tiles take outputs 16 at a time (out_features not a multiple of 16)"
+        if layer.cpu_layout()[4] not in (4, 8):
+            return "it multiplies int4 / int8 / Q8_0 blocks, not K-quant super-blocks"
+        if not cpu_kernels.amx_available():
+            return ("it needs AMX int8 tiles (amx_tile + amx_int8 in /proc/cpuinfo, Sapphire Rapids or newer) "
+                    "and Linux's permission to use them (arch_prctl XTILEDATA)")
+        return None
+
+    def prepare(self, layer):
+        return cpu_kernels.qtile_pack(layer.cpu_layout(), layer.out_features)   # bits | QTILE_FLAG: the stack runs it
+
+    def run(self, state, x, layer):
+        if x.dtype is not torch.float32:
+            return self.run(state, x.float(), layer).to(x.dtype)
+        q, d, m, gs, bits = state
+        if bits & ~cpu_kernels.QTILE_FLAG == 4 and x.shape[1] != q.shape[1] * 2:   # int4 rows padded to whole groups
+            x = F.pad(x, (0, q.shape[1] * 2 - x.shape[1]))
+        return cpu_kernels.qtile(x, q, d, m, gs, bits, layer.out_features)
+
+
 class Packed:
     """torch's weight-only packed CPU kernels (bf16 activations)."""
     name, formats, tune_max_rows, float_copy = "packed", ("int8", "int4", "q8_0"), 64, False
@@ -133,7 +173,7 @@ class W8A8:
         return w8a8_linear(x, state).to(x.dtype)
 
 
-for _k in (QGemm(), QDot(), Packed(), W8A8()):
+for _k in (QGemm(), QDot(), QTile(), Packed(), W8A8()):
     register(_k)
 
 
