@@ -55,6 +55,15 @@ def timed(llm: LLM, convs, params) -> tuple[float, int]:
     return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+def exclude_kernels(names: list[str]) -> None:
+    """Make these registered linear kernels unsupported in this process, so the table chooses among the
+    rest: the same engine as it ran before a kernel existed (e.g. --exclude-kernel qtile)."""
+    import tokenfab.quant.kernels  # noqa: F401  (registers the quantized kernels)
+    from tokenfab.kernels.linear import get
+    for name in names:
+        get(name).supports = lambda layer, name=name: f"excluded by --exclude-kernel {name}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
@@ -66,10 +75,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="passes over the prompts (default 1)")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
+    ap.add_argument("--exclude-kernel", action="append", default=[], metavar="NAME",
+                    help="linear kernels the table may not choose in this process (e.g. qtile: the run before it)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--baseline", choices=("optout", "engine"), default="optout",
                     help="plain = the speculative engine with speculative=False (default), or a second engine")
     args = ap.parse_args()
+    exclude_kernels(args.exclude_kernel)
 
     spec_cfg = json.loads(args.spec) if args.spec else {"method": "ngram", "num_speculative_tokens": args.k}
     files = load_model_files(None)

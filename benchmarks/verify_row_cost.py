@@ -22,6 +22,15 @@ from tokenfab import LLM  # noqa: E402
 from tokenfab.model.attention import AttentionMetadata  # noqa: E402
 
 
+def exclude_kernels(names: list[str]) -> None:
+    """Make these registered linear kernels unsupported in this process, so the table chooses among the
+    rest: the same engine as it ran before a kernel existed (e.g. --exclude-kernel qtile)."""
+    import tokenfab.quant.kernels  # noqa: F401  (registers the quantized kernels)
+    from tokenfab.kernels.linear import get
+    for name in names:
+        get(name).supports = lambda layer, name=name: f"excluded by --exclude-kernel {name}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-threads", type=int)
@@ -30,9 +39,12 @@ def main() -> None:
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                     help="cpu: this thread's CPU time (default; needs --num-threads 1 to see all the work), wall: elapsed")
     ap.add_argument("--rounds", type=int, default=6, help="rounds over the row counts; minimum per call kept (default 6)")
+    ap.add_argument("--exclude-kernel", action="append", default=[], metavar="NAME",
+                    help="linear kernels the table may not choose in this process (e.g. qtile: the run before it)")
     ap.add_argument("--linear-kernel", default="auto",
                     help="force one linear kernel (e.g. qgemm, qtile) to compare; default: the measured table's choice")
     args = ap.parse_args()
+    exclude_kernels(args.exclude_kernel)
     if args.clock == "cpu" and args.num_threads != 1:
         sys.exit("--clock cpu counts this thread only: add --num-threads 1 (or use --clock wall)")
     llm = LLM(max_model_len=1024, num_kv_blocks=64, num_threads=args.num_threads, linear_kernel=args.linear_kernel)

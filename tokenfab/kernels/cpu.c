@@ -1199,9 +1199,20 @@ __attribute__((target("amx-tile,amx-int8"))) static void tf_qtile_config(int64_t
 /* A block's B operand: int8 weights are stored as it (no copy); int4 nibbles are split into `buf`. */
 __attribute__((target("amx-tile,amx-int8"), always_inline)) static inline const void *
 tf_qtile_b(const uint8_t *qt, int64_t b, int64_t bits, uint8_t (*buf)[64]) {
-    if (bits == 8) return qt + b * 512;
+    if (bits == 8) {
+        _mm_prefetch((const char *)(qt + (b + 4) * 512), _MM_HINT_T0);   /* tile loads from memory don't */
+        _mm_prefetch((const char *)(qt + (b + 4) * 512 + 64), _MM_HINT_T0);   /* wake the streamers */
+        _mm_prefetch((const char *)(qt + (b + 4) * 512 + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(qt + (b + 4) * 512 + 192), _MM_HINT_T0);
+        _mm_prefetch((const char *)(qt + (b + 4) * 512 + 256), _MM_HINT_T0);
+        _mm_prefetch((const char *)(qt + (b + 4) * 512 + 320), _MM_HINT_T0);
+        _mm_prefetch((const char *)(qt + (b + 4) * 512 + 384), _MM_HINT_T0);
+        _mm_prefetch((const char *)(qt + (b + 4) * 512 + 448), _MM_HINT_T0);
+        return qt + b * 512;
+    }
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const uint8_t *src = qt + b * 256;
+    for (int c = 0; c < 4; c++) _mm_prefetch((const char *)(src + 4 * 256 + c * 64), _MM_HINT_T0);
     for (int c = 0; c < 4; c++) {
         const __m512i v = _mm512_loadu_si512((const void *)(src + c * 64));
         _mm512_store_si512((void *)buf[2 * c], _mm512_and_si512(v, m4));

@@ -112,6 +112,9 @@ class QTile:
     Needs AMX (amx_tile + amx_int8, Sapphire Rapids or newer) and Linux's permission for it."""
     name, formats, tune_max_rows, float_copy = "qtile", ("int8", "int4", "q8_0"), 64, False
     rank, lossy = -1, False           # ahead of qgemm on a tie: as precise, and cheaper per extra row
+    # a decode step's cost per extra row, relative to 1 row (decoder stack + LM head, bundled model, 1 thread:
+    # 5 rows 1.25x, 8 rows 1.51x, benchmarks/verify_row_cost.py); the speculative policy prices drafts by it
+    row_cost = 0.06
 
     def supports(self, layer):
         why = QGemm().supports(layer)

@@ -22,7 +22,7 @@ import torch
 from tokenfab.engine.sampler import SampledToken, Sampler, SampleRow
 from tokenfab.engine.spec.config import SpeculativeConfig
 from tokenfab.engine.spec.ngram import NgramProposer
-from tokenfab.engine.spec.policy import AdaptivePolicy, SeqSpecState
+from tokenfab.engine.spec.policy import ROW_COST, AdaptivePolicy, SeqSpecState, row_cost_of
 from tokenfab.engine.spec.verify import accept_greedy, accept_sampled, target_probs
 from tokenfab.engine.structured import apply_token_bitmask, valid_draft_prefix
 
@@ -59,7 +59,8 @@ class SpecDecoder:
             draft_cost = _num_params(draft[0]) / _num_params(model)
         else:
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        self.policy = AdaptivePolicy(self.k_max, config.max_batch_size, config.adaptive, draft_cost)
+        row_cost = row_cost_of(model, self.k_max + 1) if model is not None else ROW_COST
+        self.policy = AdaptivePolicy(self.k_max, config.max_batch_size, config.adaptive, draft_cost, row_cost)
         self.stats = SpecStats(accepted_per_pos=[0] * self.k_max)
         self.step_index = 0
 

@@ -10,8 +10,9 @@ one plain decode plus ROW_COST per extra verification row plus the proposer's ow
 token (`draft_cost`: 0 for ngram, L / num_layers for layerskip, the draft model's share of the
 target's weights for draft). When no k gains at least MIN_GAIN, the sequence stops proposing for
 `backoff` steps (BACKOFF_MIN, doubling up to BACKOFF_MAX each time it fails again), then probes
-afresh at START_RATE. With ROW_COST 0.42, a sequence needs a > 0.49 to draft even one token, so
-open-ended text (ngram acceptance ~0.2) is switched off after its first rejected round.
+afresh at START_RATE. With ROW_COST 0.42 (tf_qgemm), a sequence needs a > 0.49 to draft even one token, so
+open-ended text (ngram acceptance ~0.2) is switched off after its first rejected round; with the AMX
+tile kernel's 0.06 (qtile) it needs a > 0.12, and drafts k_max tokens from a > 0.5.
 
 Per step: no speculation when more than `max_batch_size` sequences decode: at large batches every
 extra row costs about as much as the token it may save.
@@ -27,6 +28,8 @@ START_RATE = 0.7      # a new (or probing) sequence's assumed acceptance: k = 2 
 # tf_qgemm is compute-bound per activation row (the weights are unpacked once, each row adds its own
 # dot products), so rows are not free as they would be on a bandwidth-bound kernel.
 ROW_COST = 0.42
+# A kernel whose extra rows cost less declares its own `row_cost` (tokenfab/quant/kernels.py: qtile, the AMX
+# tile kernel, 0.06); the engine's policy takes the value of the kernel its decoder runs (`row_cost_of`).
 MIN_GAIN = 1.05       # expected speedup a round must promise
 BACKOFF_MIN, BACKOFF_MAX = 16, 256
 
@@ -44,10 +47,20 @@ def expected_gain(a: float, k: int, cost_per_draft: float) -> float:
     return sum(a ** i for i in range(k + 1)) / (1 + cost_per_draft * k)
 
 
+def row_cost_of(model, rows: int) -> float:
+    """A verification row's cost for this model's quantized linears at `rows` rows: the largest `row_cost`
+    their kernels declare, ROW_COST for a kernel that declares none (or a model without plans)."""
+    from tokenfab.kernels.linear import plan_linears
+    costs = [getattr(m.plan.kernel_at(rows).kernel, "row_cost", ROW_COST)
+             for m in plan_linears(model) if m.plan is not None and m.weight_format != "float"]
+    return max(costs) if costs else ROW_COST
+
+
 class AdaptivePolicy:
-    def __init__(self, k_max: int, max_batch_size: int, adaptive: bool = True, draft_cost: float = 0.0) -> None:
+    def __init__(self, k_max: int, max_batch_size: int, adaptive: bool = True, draft_cost: float = 0.0,
+                 row_cost: float = ROW_COST) -> None:
         self.k_max, self.max_batch_size, self.adaptive = k_max, max_batch_size, adaptive
-        self.cost = ROW_COST + draft_cost
+        self.cost = row_cost + draft_cost
         # k for each rate bucket of 0.01, computed once: the per-step decision is a table lookup
         self._k_table = [self._best_k(i / 100) for i in range(96)]
 

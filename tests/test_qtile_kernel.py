@@ -1,0 +1,140 @@
+"""The AMX tile kernel (tf_qtile, "qtile"): int4 / int8 / Q8_0 blocks times a few activation rows.
+
+It must compute what the weights times the int16-rounded activations are (the float reference within
+the rounding) at every row count, give each row the same bits whatever rows run with it (the
+speculative verify's rows and a 1-row decode must agree, or greedy speculation would drift from plain
+decoding), give the same bits on AMX as its plain C reference, and keep the table from mixing it with
+qgemm in the decode rows. The AMX-only tests skip, with the reason, on CPUs (or kernels) without it."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenfab import kernels
+from tokenfab.kernels import linear as seam
+from tokenfab.kernels.tuning import KernelTable, select_kernels
+from tokenfab.quant.linear import Int4Linear, Int8Linear, Q8_0Linear
+
+ROWS = (1, 2, 3, 5, 8, 9, 12, 16, 17, 40)
+QMAX = 32639.0                 # tf_qtile's int16 range: q = 256 hi + lo with hi, lo both int8
+
+pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="tokenfab's C kernels are not built here")
+
+
+def _needs_amx():
+    if not kernels.amx_available():
+        pytest.skip(f"needs AMX int8 tiles and the kernel's permission (this CPU's kernels: {kernels.describe()})")
+
+
+def _layers():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 512, generator=g) * 0.05
+    return {
+        "int4-g32": Int4Linear.from_float(w, group_size=32),
+        "int4-g128": Int4Linear.from_float(w, group_size=128),
+        "int8": Int8Linear.from_float(w),
+        "q8_0": Q8_0Linear(torch.randint(-128, 128, (96, 512), generator=g, dtype=torch.int8),
+                           torch.rand(96, 16, generator=g) * 1e-3),
+    }
+
+
+def _state(layer):
+    return kernels.qtile_pack(layer.cpu_layout(), layer.out_features)
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as tf_qtile sees it: int16 per block of 32 in [-32639, 32639], back to float."""
+    xb = x.reshape(x.shape[0], -1, 32)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, (QMAX / amax.double()).float(), torch.zeros_like(amax))
+    return (torch.round(xb * inv) * (amax / QMAX)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("name", list(_layers()))
+def test_qtile_matches_the_dequantized_weights_at_every_row_count(name):
+    layer = _layers()[name]
+    q, d, m, gs, bits = _state(layer)
+    w = layer.dequantize(torch.float32)
+    # int4's offsets multiply the float sums of x (as tf_qgemm's do), the rest the rounded x
+    offsets = torch.zeros_like(w) if m is None else layer.cpu_layout()[2].repeat_interleave(gs, dim=1)[:, :512]
+    g = torch.Generator().manual_seed(1)
+    for rows in ROWS:
+        x = torch.randn(rows, 512, generator=g)
+        y = kernels.qtile(x, q, d, m, gs, bits, layer.out_features)
+        exact = (F.linear(_rounded(x).double(), (w - offsets).double()) + F.linear(x.double(), offsets.double())).float()
+        ref = F.linear(x, w)
+        # the integer dots are exact: float32 sums of the block products separate it from W . x~
+        assert float((y - exact).abs().max() / exact.abs().max()) < 1e-5, (name, rows)
+        assert float((y - ref).abs().max() / ref.abs().max()) < 1e-4, (name, rows)
+
+
+@pytest.mark.parametrize("name", list(_layers()))
+def test_a_rows_result_is_the_same_bits_whatever_rows_run_with_it(name):
+    layer = _layers()[name]
+    state = _state(layer)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(2)) * 3
+    alone = torch.cat([kernels.qtile(x[i:i + 1], *state, layer.out_features) for i in range(40)])
+    for rows in ROWS:
+        together = kernels.qtile(x[:rows], *state, layer.out_features)
+        assert torch.equal(together, alone[:rows]), (name, rows)
+
+
+@pytest.mark.parametrize("name", list(_layers()))
+def test_amx_tiles_give_the_plain_c_references_bits(name):
+    _needs_amx()
+    layer = _layers()[name]
+    state = _state(layer)
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(3))
+    for rows in ROWS:
+        xr = x[:rows] if rows <= 16 else x.repeat(3, 1)[:rows]
+        tiles = kernels.qtile(xr, *state, layer.out_features)
+        plain = kernels.qtile(xr, *state, layer.out_features, reference=True)
+        assert torch.equal(tiles, plain), (name, rows)
+
+
+def test_the_seam_runs_qtile_through_the_layer_and_pads_int4_rows():
+    _needs_amx()
+    w = torch.randn(64, 224, generator=torch.Generator().manual_seed(4)) * 0.05    # 224: padded to 256 (groups of 64)
+    layer = Int4Linear.from_float(w, group_size=64)
+    layer.plan = seam.forced_plan(layer, "qtile")
+    x = torch.randn(5, 224)
+    ref = F.linear(x, layer.dequantize(torch.float32))
+    assert float((layer(x) - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+def test_qtile_says_why_it_cannot_run_a_layer():
+    w = torch.randn(40, 64) * 0.05                     # 40 outputs: not whole tiles of 16
+    why = seam.get("qtile").supports(Int8Linear.from_float(w))
+    assert why is not None and "16" in why
+
+
+def _table(key, times, rows=(1, 4, 8, 16)):
+    return KernelTable({key: {"rows": list(rows), "times": {k: list(v) for k, v in times.items()}}})
+
+
+def test_the_table_never_mixes_qgemm_and_qtile_in_the_decode_rows(monkeypatch):
+    """qgemm a little faster at 1 row, qtile far faster at 4-16: one of them for all of 1-16 rows (the
+    one with the least total), so a 1-row decode and a 5-row verify compute a token alike."""
+    for name in ("qgemm", "qtile"):
+        monkeypatch.setattr(seam.get(name), "supports", lambda layer: None)
+    layer = Int4Linear.from_float(torch.randn(64, 128) * 0.05, group_size=32)
+    model = torch.nn.Sequential(layer)
+    tbl = _table(layer.shape_key(), {"qgemm": [1.0, 4.0, 8.0, 16.0], "qtile": [1.3, 1.4, 1.6, 2.0],
+                                     "dequant": [50.0] * 4})
+    select_kernels(model, max_rows=16, head_max_rows=16, autotune=False, table=tbl)
+    assert model[0].plan.names() == [(None, "qtile")]
+    # qtile slower everywhere but one bucket: qgemm throughout
+    tbl = _table(layer.shape_key(), {"qgemm": [1.0, 1.0, 1.0, 1.0], "qtile": [2.0, 0.8, 2.0, 2.0],
+                                     "dequant": [50.0] * 4})
+    select_kernels(model, max_rows=16, head_max_rows=16, autotune=False, table=tbl)
+    assert model[0].plan.names() == [(None, "qgemm")]
+
+
+def test_the_speculative_policy_prices_rows_by_the_decoders_kernel(monkeypatch):
+    from tokenfab.engine.spec.policy import ROW_COST, row_cost_of
+    for name in ("qgemm", "qtile"):
+        monkeypatch.setattr(seam.get(name), "supports", lambda layer: None)
+    model = torch.nn.Sequential(Int4Linear.from_float(torch.randn(64, 128) * 0.05, group_size=32))
+    model[0].plan = seam.build_plan(model[0], [(16, "qtile"), (None, "dequant")])
+    assert row_cost_of(model, 5) == seam.get("qtile").row_cost < ROW_COST
+    model[0].plan = seam.build_plan(model[0], [(16, "qgemm"), (None, "dequant")])
+    assert row_cost_of(model, 5) == ROW_COST
