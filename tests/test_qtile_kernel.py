@@ -138,3 +138,27 @@ def test_the_speculative_policy_prices_rows_by_the_decoders_kernel(monkeypatch):
     assert row_cost_of(model, 5) == seam.get("qtile").row_cost < ROW_COST
     model[0].plan = seam.build_plan(model[0], [(16, "qgemm"), (None, "dequant")])
     assert row_cost_of(model, 5) == ROW_COST
+
+
+@pytest.mark.timeout(900)
+def test_speculative_greedy_on_the_quantized_model_matches_plain_token_for_token(bundled_files):
+    """The GGUF's own Q4_1 / Q8_0 blocks through qtile: 1-row decodes, 8-row batches and 5-row
+    verifications (40 rows a step for 8 sequences) must pick the same tokens."""
+    _needs_amx()
+    from tokenfab import LLM, SamplingParams
+    passage = "The cache holds blocks of sixteen tokens each, and the scheduler admits requests while the budget allows. "
+    prompts = [f"Repeat the text.\nText: {passage * (1 + i % 3)}\nRepeat: " if i % 2 == 0 else
+               " ".join(["seven clever engineers write fast kernels"] * (1 + i)) for i in range(8)]
+    llm = LLM(loaded=bundled_files, linear_kernel="qtile", max_model_len=1024, num_kv_blocks=512,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                  "max_batch_size": 64, "adaptive": False})
+    assert llm.engine.model.layers[0].mlp.gate_up_proj.plan.names() == [(None, "qtile")]
+    greedy = dict(max_tokens=64, temperature=0, ignore_eos=True)
+    plain = llm.generate(prompts, SamplingParams(**greedy, speculative=False))
+    alone = llm.generate(prompts[:1], SamplingParams(**greedy, speculative=False))     # 1-row decode steps
+    spec = llm.generate(prompts, SamplingParams(**greedy))
+    st = llm.engine.stats()
+    assert st.spec_decode_num_drafts > 0 and st.spec_decode_num_accepted_tokens > 0, st
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert alone[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert llm.engine.block_manager.num_used_blocks() == 0

@@ -122,8 +122,6 @@ class QTile:
             return why
         if layer.out_features % 16:
             return "its tiles take outputs 16 at a time (out_features not a multiple of 16)"
-        if layer.cpu_layout()[4] not in (4, 8):
-            return "it multiplies int4 / int8 / Q8_0 blocks, not K-quant super-blocks"
         if not cpu_kernels.amx_available():
             return ("it needs AMX int8 tiles (amx_tile + amx_int8 in /proc/cpuinfo, Sapphire Rapids or newer) "
                     "and Linux's permission to use them (arch_prctl XTILEDATA)")
