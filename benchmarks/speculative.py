@@ -60,8 +60,11 @@ def exclude_kernels(names: list[str]) -> None:
     rest: the same engine as it ran before a kernel existed (e.g. --exclude-kernel qtile)."""
     import tokenfab.quant.kernels  # noqa: F401  (registers the quantized kernels)
     from tokenfab.kernels.linear import get
+    from tokenfab.kernels.tuning import KernelTable
     for name in names:
         get(name).supports = lambda layer, name=name: f"excluded by --exclude-kernel {name}"
+    if names:     # rows measured now lack those kernels: keep them out of the cached table
+        KernelTable.save = lambda self: None
 
 
 def main() -> None:

@@ -324,8 +324,8 @@ def amx_available() -> bool:
 def qtile_pack(layout: tuple, out_features: int) -> tuple:
     """A tf_qgemm layout (q, d, m, gs, bits 4 or 8) -> tf_qtile's (cpu.c): outputs in tiles of 16, each
     block of 32 inputs as the tile unit's B operand (int8 as is; int4 as nibbles, two B rows per 64
-    bytes), one scale per block, int4's offsets per group. Same bytes as the input layout, plus the
-    per-block scales where a group spans several blocks."""
+    bytes); the scales and int4's offsets as they are. Int4 repacks the same bytes as the input layout;
+    int8 copies its weight (the Q8_0 LM head: 27 MiB more)."""
     q, d, m, gs, bits = layout
     N = out_features
     assert bits in (4, 8) and N % 16 == 0 and q.shape[0] == N
@@ -342,9 +342,8 @@ def qtile_pack(layout: tuple, out_features: int) -> tuple:
         packed = (w[:, :, :, 0] | (w[:, :, :, 1] << 4)).contiguous().view(N, K // 2)
     else:
         packed = w.contiguous().view(torch.int8).view(N, K)
-    db = d.float().repeat_interleave(gs // 32, dim=1) if gs > 32 else d.float()        # [N, nb]
-    dt = db.reshape(T, 16, nb).permute(0, 2, 1).contiguous()
-    mt = None if m is None else m.float().reshape(T, 16, -1).permute(0, 2, 1).contiguous()
+    dt = d.float().contiguous()                                       # as stored: no copy (the kernel
+    mt = None if m is None else m.float().contiguous()                # gathers a block's 16 scales)
     return packed, dt, mt, gs, bits | QTILE_FLAG
 
 

@@ -1086,7 +1086,8 @@ void tf_decode_layers(float *x, int64_t M, int64_t hidden, int64_t n_layers, con
  * Layout (built by tokenfab/quant/kernels.py, `qtile_pack`): outputs in tiles of 16 (N % 16 == 0);
  *   bits 8: q [N/16][nb][8][16][4] int8: the tile unit's B operand as is (row i: k 4i..4i+3 of 16 outputs)
  *   bits 4: q [N/16][nb][4][64] bytes: chunk c's low nibbles are B row 2c, its high nibbles B row 2c+1
- *   d [N/16][nb][16] each block's scale; m [N/16][G][16] (int4's offsets, per group of gs). */
+ *   d [N, G] and m [N, G] (int4's offsets) as stored, one per group of gs: the kernel gathers a block's
+ *   16 scales (one gather per block and 16 outputs; a tiled copy cost 16 MiB on the bundled model). */
 #define TF_QTILE 512      /* tf_qgemm's `bits | TF_QTILE`: run tf_qtile (the one-call decode stack's layouts) */
 #define TF_QTILE_ROWS 16  /* rows per pass over the weight (two tiles of 8: each row takes a hi and a lo tile row) */
 #define TF_QTILE_QMAX 32639.f   /* 256 * 127 + 127: the largest q whose hi and lo both fit int8 */
@@ -1131,11 +1132,11 @@ void tf_qtile_ref(float *y, const float *x, int64_t M, int64_t K, int64_t N, con
                 const uint8_t *tile_b = (const uint8_t *)q + (t * nb + b) * tb;
                 int32_t dot = 0;
                 for (int k = 0; k < 32; k++) dot += tf_qtile_w(tile_b, bits, (int)(n % 16), k) * xq[r * K + b * 32 + k];
-                const float sc = d[(t * nb + b) * 16 + n % 16] * dx[r * nb + b];
+                const float sc = d[n * G + b / (gs / 32)] * dx[r * nb + b];
                 acc = fmaf((float)dot, sc, acc);
             }
             if (bits == 4)
-                for (int64_t g = 0; g < G; g++) acc = fmaf(m[(t * G + g) * 16 + n % 16], xs[r * G + g], acc);
+                for (int64_t g = 0; g < G; g++) acc = fmaf(m[n * G + g], xs[r * G + g], acc);
             y[r * N + n] = acc;
         }
     }
@@ -1163,6 +1164,11 @@ int64_t tf_amx_available(void) {
     }
     return tf_amx_state;
 }
+
+/* GCC's tile intrinsics are asm statements without a memory clobber: the compiler does not know that a
+ * tile load reads the B buffer just written, or that a tile store writes the dots read next, and may drop
+ * or reorder those accesses (it did: 9-16 rows read stale dots). A barrier after each write fixes the order. */
+#define TF_MEMBAR() __asm__ volatile("" ::: "memory")
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -1218,14 +1224,14 @@ tf_qtile_b(const uint8_t *qt, int64_t b, int64_t bits, uint8_t (*buf)[64]) {
         _mm512_store_si512((void *)buf[2 * c], _mm512_and_si512(v, m4));
         _mm512_store_si512((void *)buf[2 * c + 1], _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
     }
+    TF_MEMBAR();
     return buf;
 }
 
 /* acc[r] = fma(D[r], s * dx[r, b], acc[r]) for one block's dots (cbuf rows: hi of row r at hi0 + r, lo at lo0 + r). */
 __attribute__((always_inline)) static inline void tf_qtile_acc(const int M, __m512 *acc, int32_t (*cbuf)[16], int hi0,
-                                                               int lo0, int nrows, int rbase, const float *s_b,
+                                                               int lo0, int nrows, int rbase, __m512 s,
                                                                const float *dx, int64_t nb, int64_t b) {
-    const __m512 s = _mm512_loadu_ps(s_b);
     for (int i = 0; i < nrows; i++) {
         const int r = rbase + i;
         const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((const void *)cbuf[hi0 + i]), 8),
@@ -1239,7 +1245,11 @@ __attribute__((always_inline)) static inline void tf_qtile_acc(const int M, __m5
  * registers). a: the activation tiles [nb][2 * M][32]; dx [M, nb]; xs [M, G]. */
 __attribute__((target("amx-tile,amx-int8"), always_inline)) static inline void
 tf_qtile_tile(const int M, float *y, int64_t N, const int8_t *a, const float *dx, const float *xs, int64_t nb,
-              int64_t G, const uint8_t *qt, const float *dt, const float *mt, int64_t bits) {
+              int64_t G, const uint8_t *qt, const float *dt, const float *mt, int64_t bits, int64_t bpg) {
+    /* dt, mt: the tile's first row of scales / offsets ([16, G], rows G apart) */
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32((int)G));
+#define TF_SB(blk) _mm512_i32gather_ps(rows, dt + (blk) / bpg, 4)
     __m512 acc[TF_QTILE_ROWS];
     int32_t c0[2 * TF_QTILE_ROWS][16] __attribute__((aligned(64)));
     int32_t c1[2 * TF_QTILE_ROWS][16] __attribute__((aligned(64)));
@@ -1263,8 +1273,9 @@ tf_qtile_tile(const int M, float *y, int64_t N, const int8_t *a, const float *dx
             }
             _tile_stored(4, c0, 64);
             _tile_stored(5, c1, 64);
-            tf_qtile_acc(M, acc, c0, 0, M, M, 0, dt + b * 16, dx, nb, b);
-            tf_qtile_acc(M, acc, c1, 0, M, M, 0, dt + (b + 1) * 16, dx, nb, b + 1);
+            TF_MEMBAR();
+            tf_qtile_acc(M, acc, c0, 0, M, M, 0, TF_SB(b), dx, nb, b);
+            tf_qtile_acc(M, acc, c1, 0, M, M, 0, TF_SB(b + 1), dx, nb, b + 1);
         }
         if (b < nb) {
             _tile_loadd(2, tf_qtile_b(qt, b, bits, b0), 64);
@@ -1273,7 +1284,8 @@ tf_qtile_tile(const int M, float *y, int64_t N, const int8_t *a, const float *dx
             if (bits == 8) _tile_dpbssd(4, 0, 2);
             else _tile_dpbsud(4, 0, 2);
             _tile_stored(4, c0, 64);
-            tf_qtile_acc(M, acc, c0, 0, M, M, 0, dt + b * 16, dx, nb, b);
+            TF_MEMBAR();
+            tf_qtile_acc(M, acc, c0, 0, M, M, 0, TF_SB(b), dx, nb, b);
         }
     } else {
         for (; b < nb; b++) {
@@ -1292,16 +1304,18 @@ tf_qtile_tile(const int M, float *y, int64_t N, const int8_t *a, const float *dx
             }
             _tile_stored(3, c0, 64);
             _tile_stored(4, c1, 64);
-            tf_qtile_acc(M, acc, c0, 0, 8, 8, 0, dt + b * 16, dx, nb, b);
-            tf_qtile_acc(M, acc, c1, 0, M - 8, M - 8, 8, dt + b * 16, dx, nb, b);
+            TF_MEMBAR();
+            tf_qtile_acc(M, acc, c0, 0, 8, 8, 0, TF_SB(b), dx, nb, b);
+            tf_qtile_acc(M, acc, c1, 0, M - 8, M - 8, 8, TF_SB(b), dx, nb, b);
         }
     }
     if (bits == 4)
         for (int64_t g = 0; g < G; g++) {
-            const __m512 mv = _mm512_loadu_ps(mt + g * 16);
+            const __m512 mv = _mm512_i32gather_ps(rows, mt + g, 4);
             for (int r = 0; r < M; r++) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * G + g]), acc[r]);
         }
     for (int r = 0; r < M; r++) _mm512_storeu_ps(y + r * N, acc[r]);
+#undef TF_SB
 }
 
 #define TF_QTILE_SWITCH(...)                                                          \
@@ -1368,8 +1382,8 @@ void tf_qtile(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ntiles; t++) {
             const uint8_t *qt = (const uint8_t *)q + t * nb * tb;
-            const float *dt = d + t * nb * 16, *mt = bits == 4 ? m + t * G * 16 : NULL;
-            TF_QTILE_SWITCH(yk + t * 16, N, a, dx, xs, nb, G, qt, dt, mt, bits)
+            const float *dt = d + t * 16 * G, *mt = bits == 4 ? m + t * 16 * G : NULL;
+            TF_QTILE_SWITCH(yk + t * 16, N, a, dx, xs, nb, G, qt, dt, mt, bits, gs / 32)
         }
         _tile_release();
     }
