@@ -60,7 +60,8 @@ def test_qtile_matches_the_dequantized_weights_at_every_row_count(name):
     for rows in ROWS:
         x = torch.randn(rows, 512, generator=g)
         y = kernels.qtile(x, q, d, m, gs, bits, layer.out_features)
-        exact = (F.linear(_rounded(x).double(), (w - offsets).double()) + F.linear(x.double(), offsets.double())).float()
+        exact = (F.linear(_rounded(x).double(), (w - offsets).double())
+                 + F.linear(x.double(), offsets.double())).float()
         ref = F.linear(x, w)
         # the integer dots are exact: float32 sums of the block products separate it from W . x~
         assert float((y - exact).abs().max() / exact.abs().max()) < 1e-5, (name, rows)
@@ -146,7 +147,8 @@ def test_speculative_greedy_on_the_quantized_model_matches_plain_token_for_token
     verifications (40 rows a step for 8 sequences) must pick the same tokens."""
     _needs_amx()
     from tokenfab import LLM, SamplingParams
-    passage = "The cache holds blocks of sixteen tokens each, and the scheduler admits requests while the budget allows. "
+    passage = ("The cache holds blocks of sixteen tokens each, and the scheduler admits requests while the "
+               "budget allows. ")
     prompts = [f"Repeat the text.\nText: {passage * (1 + i % 3)}\nRepeat: " if i % 2 == 0 else
                " ".join(["seven clever engineers write fast kernels"] * (1 + i)) for i in range(8)]
     llm = LLM(loaded=bundled_files, linear_kernel="qtile", max_model_len=1024, num_kv_blocks=512,
