@@ -59,7 +59,7 @@ def _eval_args(e) -> None:
                    help="quantized layers' path: auto (by token count; whole windows dequantize, so the numbers "
                         "are the weights' error), qdot (int8 activation blocks, integer dot products), packed "
                         "(torch's packed CPU kernels, bf16 activations), bf16 (a bfloat16 oneDNN copy; CPUs with bf16 units) or dequant. Decode's C kernel (qgemm) "
-                        "computes in float32, as dequant does")
+                        "computes in float32, as dequant does; qtile is the same on AMX int8 tiles (CPUs with amx_int8)")
     e.add_argument("--text", metavar="FILE", help="evaluation text (default: the bundled human-written English)")
     e.add_argument("--ctx", type=int, metavar="N", default=None, help="tokens per window (default: 512)")
     e.add_argument("--max-windows", type=int, metavar="N", default=None,
