@@ -1,6 +1,6 @@
 """Gemma 3 270M Q4_K_M: single-stream decode tokens/s through the engine, the file's blocks as shipped
 (quantization="gguf": Q4_K / Q6_K as stored, Q5_0 / Q8_0 in Q8_0's form) against float32 weights
-("none") in the same run, and the KV bytes the sliding layers' own pool saves at an 8k context (computed).
+("none") in the same run, the blocks also with the one-call decode stack off (layer by layer), and the KV bytes the sliding layers' own pool saves at an 8k context (computed).
 
     python benchmarks/gemma3_decode.py [--tokens 64] [--repeats 3]
 
@@ -50,14 +50,17 @@ def main() -> None:
     files = load_model_files("gemma3-270m")
     cfg = files.config
     rates = {}
-    for q in ("gguf", "none"):
+    # the file's blocks through the one-call decode stack (the default) and layer by layer, then float32
+    for name, q, stack in (("gguf", "gguf", True), ("gguf, layer by layer", "gguf", False), ("none", "none", True)):
         llm = LLM(loaded=files, quantization=q, max_model_len=1024, num_kv_blocks=128, enable_prefix_caching=False,
-                  **({"adaptive_threads": False} if args.threads else {}))
-        rates[q], first, total = decode_tok_s(llm, args.tokens, args.repeats)
-        print(f"quantization={q}: {rates[q]:.1f} decode tok/s (single stream; prefill + 1 token {first:.3f} s, "
-              f"+ {args.tokens} more {total:.3f} s; best of {args.repeats})", flush=True)
+                  enable_fused_decode=stack, **({"adaptive_threads": False} if args.threads else {}))
+        rates[name], first, total = decode_tok_s(llm, args.tokens, args.repeats)
+        print(f"quantization={name}: {rates[name]:.1f} decode tok/s (single stream; prefill + 1 token {first:.3f} s, "
+              f"+ {args.tokens} more {total:.3f} s; best of {args.repeats}; "
+              f"{llm.engine.model.attention_backend.describe()})", flush=True)
         del llm
-    print(f"gguf / none: {rates['gguf'] / rates['none']:.2f}x")
+    print(f"gguf / none: {rates['gguf'] / rates['none']:.2f}x; one-call stack / layer by layer: "
+          f"{rates['gguf'] / rates['gguf, layer by layer']:.2f}x")
     from tokenfab.config import EngineConfig
     from tokenfab.engine.sliding_kv import sliding_savings
     saved = sliding_savings(cfg, EngineConfig(), cfg.kv_bytes_per_token(4))

@@ -23,6 +23,16 @@ def test_silu_mul_matches_torch():
     torch.testing.assert_close(kernels.silu_mul(g), F.silu(g[:, :1536]) * g[:, 1536:], rtol=1e-6, atol=1e-6)
 
 
+def test_gelu_tanh_mul_matches_torch_geglu():
+    torch.manual_seed(1)
+    g = torch.randn(9, 2 * 1027) * 4                 # 1027: the vector loop and its scalar tail
+    g[0, :8] = torch.tensor([-200.0, -30.0, -6.0, -1e-3, 1e-3, 6.0, 30.0, 200.0])   # exp's clamps, near 0
+    ref = F.gelu(g[:, :1027], approximate="tanh") * g[:, 1027:]
+    # atol: below g ~ -5 torch's 1 + tanh(u) is a few float32 steps of 6e-8 (or 0), where g / (1 + e^-2u)
+    # keeps its ~1e-7; times |up| (up to ~16) that is a few 1e-6 on outputs of magnitude ~10
+    torch.testing.assert_close(kernels.gelu_tanh_mul(g), ref, rtol=2e-6, atol=1e-5)
+
+
 def test_rope_write_kv_rotates_in_place_and_stores_k_and_v_at_their_slots():
     torch.manual_seed(2)
     H, KVH, D, T = 9, 3, 64, 5
