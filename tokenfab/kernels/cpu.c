@@ -590,8 +590,65 @@ static inline __attribute__((always_inline)) void tf_kgemm_row(const int M, floa
     for (int r = 0; r < M; r++)
         for (int a = 0; a < A; a++) acc[r][a] = _mm256_setzero_ps();
     for (int64_t s = 0; s < K / 256; s++) {
-        tf_kdecode(row + s * bb, type, w);
         const float *xs = x + s * 256;
+        if (type == TF_Q4_K) {
+            /* Q4_K without the float row: each 8 quant bytes give 8 weights of sub-block 2p (low nibbles)
+             * and 8 of 2p + 1 (high), a * q - m in registers, straight into the FMAs */
+            const uint8_t *b = row + s * bb;
+            const float d = tf_f16(b), dmin = tf_f16(b + 2);
+            uint8_t sc[8], mn[8];
+            tf_scale_min_k4(b + 4, sc, mn);
+            const __m256i m4 = _mm256_set1_epi32(0x0F);
+            for (int p = 0; p < 4; p++) {
+                const __m256 alo = _mm256_set1_ps(d * (float)sc[2 * p]), mlo = _mm256_set1_ps(dmin * (float)mn[2 * p]);
+                const __m256 ahi = _mm256_set1_ps(d * (float)sc[2 * p + 1]);
+                const __m256 mhi = _mm256_set1_ps(dmin * (float)mn[2 * p + 1]);
+                for (int l = 0; l < 32; l += 8) {
+                    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 + p * 32 + l)));
+                    const __m256 wlo = _mm256_fmsub_ps(alo, _mm256_cvtepi32_ps(_mm256_and_si256(q, m4)), mlo);
+                    const __m256 whi = _mm256_fmsub_ps(ahi, _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), mhi);
+                    for (int r = 0; r < M; r++) {
+                        const float *xr = xs + r * K + p * 64 + l;
+                        acc[r][0] = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(xr), acc[r][0]);
+                        acc[r][A - 1] = _mm256_fmadd_ps(whi, _mm256_loadu_ps(xr + 32), acc[r][A - 1]);
+                    }
+                }
+            }
+            continue;
+        }
+        if (type == TF_Q6_K) {
+            /* Q6_K the same way: per half of 128, 8 bytes of ql (and of ql + 32) and of qh give 8 weights in
+             * each of its four runs of 32 (tf_kdecode's order and arithmetic, so the same weight values) */
+            const uint8_t *b = row + s * bb;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = tf_f16(b + 208);
+            const __m256i m4 = _mm256_set1_epi32(0x0F), m3 = _mm256_set1_epi32(3), k32 = _mm256_set1_epi32(32);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = b + h * 64, *qh = b + 128 + h * 32;
+                for (int l = 0; l < 32; l += 8) {
+                    const int g = h * 8 + (l >> 4);
+                    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + l)));
+                    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 32 + l)));
+                    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + l)));
+                    const __m256i q[4] = {
+                        _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi32(_mm256_and_si256(e, m3), 4)),
+                        _mm256_or_si256(_mm256_and_si256(c, m4),
+                                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(e, 2), m3), 4)),
+                        _mm256_or_si256(_mm256_srli_epi32(a, 4),
+                                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(e, 4), m3), 4)),
+                        _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_slli_epi32(_mm256_srli_epi32(e, 6), 4))};
+                    for (int j = 0; j < 4; j++) {
+                        const __m256 wv = _mm256_mul_ps(_mm256_set1_ps(d * (float)sc[g + 2 * j]),
+                                                        _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], k32)));
+                        for (int r = 0; r < M; r++)
+                            acc[r][j & (A - 1)] = _mm256_fmadd_ps(
+                                wv, _mm256_loadu_ps(xs + r * K + h * 128 + j * 32 + l), acc[r][j & (A - 1)]);
+                    }
+                }
+            }
+            continue;
+        }
+        tf_kdecode(row + s * bb, type, w);
         for (int i = 0; i < 256; i += 8 * A)
             for (int a = 0; a < A; a++) {
                 const __m256 wv = _mm256_load_ps(w + i + 8 * a);
