@@ -198,6 +198,26 @@ def test_fused_decode_stack_gives_the_per_layer_path_logits_exactly(bundled_file
     assert llm.engine.block_manager.num_used_blocks() == 0
 
 
+def test_fused_decode_stack_takes_qwen3_qk_norms_with_the_per_layer_path_logits(tmp_path, bundled_tokenizer):
+    # q/k norms are a per-layer field of the stack's table (shared with Gemma 3, tests/test_gemma3.py)
+    from tests.oracle import make_tiny_model
+    from tokenfab import LLM, SamplingParams
+    make_tiny_model("qwen3", str(tmp_path), bundled_tokenizer)
+    llm = LLM(model=str(tmp_path), quantization="int8", attention_backend="cpu", kernel_autotune=False,
+              max_model_len=256, num_kv_blocks=64)
+    backend = llm.engine.model.attention_backend
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for fused in (True, False):
+        backend.fused_decode = fused
+        runs[fused] = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                       for o in llm.generate([list(range(100, 130)), [5, 6, 7]], params)]
+        if fused:
+            assert backend.stack_rows >= 2, "the fused path was not taken"
+    assert runs[True] == runs[False]
+    assert llm.engine.block_manager.num_used_blocks() == 0
+
+
 def test_fused_decode_stack_declines_layers_without_a_qgemm_layout(bundled_llm):
     from tokenfab import SamplingParams
     bundled_llm.generate(["Hi"], SamplingParams(max_tokens=2, temperature=0))      # float32 linears
