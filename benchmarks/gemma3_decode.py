@@ -1,6 +1,8 @@
 """Gemma 3 270M Q4_K_M: single-stream decode tokens/s through the engine, the file's blocks as shipped
 (quantization="gguf": Q4_K / Q6_K as stored, Q5_0 / Q8_0 in Q8_0's form) against float32 weights
-("none") in the same run, and the KV bytes the sliding layers' own pool saves at an 8k context (computed).
+("none") in the same run; for the blocks, the one-call decode stack against the layer-by-layer path
+(alternating runs on one engine); and the KV bytes the sliding layers' own pool saves at an 8k
+context (computed).
 
     python benchmarks/gemma3_decode.py [--tokens 64] [--repeats 3]
 
@@ -35,6 +37,35 @@ def decode_tok_s(llm, tokens: int, repeats: int) -> tuple[float, float, float]:
     return tokens / (total - first), first, total
 
 
+def stack_against_layers(llm, tokens: int, rounds: int) -> None:
+    """The one-call decode stack against the layer-by-layer path on the same engine, alternating run by
+    run (so both see the same load): per decode token, wall and process CPU time, best and median."""
+    from tokenfab import SamplingParams
+    backend = llm.engine.model.attention_backend
+    prompt = "The history of the printing press begins"
+    one, many = (SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (1, tokens + 1))
+    per_token: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for _ in range(rounds):
+        for stack in (True, False):
+            backend.fused_decode = stack
+            w0, c0 = time.perf_counter(), time.process_time()
+            llm.generate([prompt], one)
+            w1, c1 = time.perf_counter(), time.process_time()
+            llm.generate([prompt], many)
+            w2, c2 = time.perf_counter(), time.process_time()
+            per_token[stack].append((((w2 - w1) - (w1 - w0)) / tokens, ((c2 - c1) - (c1 - c0)) / tokens))
+    backend.fused_decode = True
+    summary = {}
+    for stack, runs in per_token.items():
+        wall, cpu = sorted(r[0] for r in runs), sorted(r[1] for r in runs)
+        summary[stack] = (wall[0], wall[len(wall) // 2])
+        print(f"  {'one-call stack' if stack else 'layer by layer'}: per decode token wall best {wall[0] * 1e3:.1f} ms, "
+              f"median {wall[len(wall) // 2] * 1e3:.1f} ms; process CPU best {cpu[0] * 1e3:.1f} ms, "
+              f"median {cpu[len(cpu) // 2] * 1e3:.1f} ms ({rounds} alternating runs)", flush=True)
+    print(f"  stack speed-up, wall: {summary[False][0] / summary[True][0]:.2f}x best, "
+          f"{summary[False][1] / summary[True][1]:.2f}x median")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64)
@@ -55,7 +86,10 @@ def main() -> None:
                   **({"adaptive_threads": False} if args.threads else {}))
         rates[q], first, total = decode_tok_s(llm, args.tokens, args.repeats)
         print(f"quantization={q}: {rates[q]:.1f} decode tok/s (single stream; prefill + 1 token {first:.3f} s, "
-              f"+ {args.tokens} more {total:.3f} s; best of {args.repeats})", flush=True)
+              f"+ {args.tokens} more {total:.3f} s; best of {args.repeats}; "
+              f"{llm.engine.model.attention_backend.describe()})", flush=True)
+        if q == "gguf":
+            stack_against_layers(llm, args.tokens, args.repeats)
         del llm
     print(f"gguf / none: {rates['gguf'] / rates['none']:.2f}x")
     from tokenfab.config import EngineConfig

@@ -23,6 +23,16 @@ def test_silu_mul_matches_torch():
     torch.testing.assert_close(kernels.silu_mul(g), F.silu(g[:, :1536]) * g[:, 1536:], rtol=1e-6, atol=1e-6)
 
 
+def test_gelu_tanh_mul_matches_torch_geglu():
+    torch.manual_seed(1)
+    g = torch.randn(9, 2 * 1027) * 4                 # 1027: the vector loop and its scalar tail
+    g[0, :8] = torch.tensor([-200.0, -30.0, -6.0, -1e-3, 1e-3, 6.0, 30.0, 200.0])   # exp's clamps, near 0
+    ref = F.gelu(g[:, :1027], approximate="tanh") * g[:, 1027:]
+    # atol: below g ~ -5 torch's 1 + tanh(u) is a few float32 steps of 6e-8 (or 0), where g / (1 + e^-2u)
+    # keeps its ~1e-7; times |up| (up to ~16) that is a few 1e-6 on outputs of magnitude ~10
+    torch.testing.assert_close(kernels.gelu_tanh_mul(g), ref, rtol=2e-6, atol=1e-5)
+
+
 def test_rope_write_kv_rotates_in_place_and_stores_k_and_v_at_their_slots():
     torch.manual_seed(2)
     H, KVH, D, T = 9, 3, 64, 5
@@ -184,6 +194,26 @@ def test_fused_decode_stack_gives_the_per_layer_path_logits_exactly(bundled_file
         runs[fused] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
         if fused:
             assert backend.stack_rows >= 1, "the fused path was not taken"
+    assert runs[True] == runs[False]
+    assert llm.engine.block_manager.num_used_blocks() == 0
+
+
+def test_fused_decode_stack_takes_qwen3_qk_norms_with_the_per_layer_path_logits(tmp_path, bundled_tokenizer):
+    # q/k norms are a per-layer field of the stack's table (shared with Gemma 3, tests/test_gemma3.py)
+    from tests.oracle import make_tiny_model
+    from tokenfab import LLM, SamplingParams
+    make_tiny_model("qwen3", str(tmp_path), bundled_tokenizer)
+    llm = LLM(model=str(tmp_path), quantization="int8", attention_backend="cpu", kernel_autotune=False,
+              max_model_len=256, num_kv_blocks=64)
+    backend = llm.engine.model.attention_backend
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for fused in (True, False):
+        backend.fused_decode = fused
+        runs[fused] = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                       for o in llm.generate([list(range(100, 130)), [5, 6, 7]], params)]
+        if fused:
+            assert backend.stack_rows >= 2, "the fused path was not taken"
     assert runs[True] == runs[False]
     assert llm.engine.block_manager.num_used_blocks() == 0
 

@@ -102,6 +102,65 @@ def test_tiny_gemma3_prefix_cache_hits_match_transformers(tiny_gemma3):
     assert first + second == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
 
+# ------------------------------------------------------------------ the one-call decode stack (tf_decode_layers)
+def _dequantized_hf(hf, model):
+    """A copy of the HF model holding the weights tokenfab's quantized layers represent (q/k/v and
+    gate/up split back out), so transformers is the oracle for the quantized engine too."""
+    import copy
+    ref = copy.deepcopy(hf)
+    cfg = model.config
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    with torch.no_grad():
+        for ours, theirs in zip(model.layers, ref.model.layers):
+            a, t = ours.self_attn, theirs.self_attn
+            qkv = a.qkv_proj.dequantize()
+            for proj, w in zip((t.q_proj, t.k_proj, t.v_proj), qkv.split([q, kv, kv])):
+                proj.weight.copy_(w)
+            t.o_proj.weight.copy_(a.o_proj.dequantize())
+            gate, up = ours.mlp.gate_up_proj.dequantize().split(cfg.intermediate_size)
+            theirs.mlp.gate_proj.weight.copy_(gate)
+            theirs.mlp.up_proj.weight.copy_(up)
+            theirs.mlp.down_proj.weight.copy_(ours.mlp.down_proj.dequantize())
+    return ref
+
+
+@pytest.mark.skipif(not kernels.enabled(), reason="tokenfab's C kernels are not built here")
+@pytest.mark.parametrize("sliding_pool", [True, False])
+def test_one_call_decode_stack_runs_gemma3_and_matches_transformers_and_the_layer_path(tiny_gemma3, monkeypatch,
+                                                                                       sliding_pool):
+    """int8 weights (tf_qgemm layouts) on the cpu backend: decode steps of up to 16 rows run the whole
+    Gemma 3 stack in one tf_decode_layers call (q/k norms, four norms, GeGLU, sliding layers reading
+    their window, from their own pool or the global one). Greedy tokens, alone and batched, with
+    prompts past the window, equal transformers on the weights the int8 layers represent, and tokens
+    and logprobs equal the layer-by-layer path's."""
+    folder, hf = tiny_gemma3
+    llm = LLM(model=folder, quantization="int8", attention_backend="cpu", kernel_autotune=False,
+              max_model_len=512, num_kv_blocks=64, sliding_window_pool=sliding_pool)
+    backend = llm.engine.model.attention_backend
+    calls = []
+    decode_layers = kernels.decode_layers
+    monkeypatch.setattr(kernels, "decode_layers", lambda x, *a, **k: (calls.append(x.shape[0]), decode_layers(x, *a, **k)))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
+
+    def run(prompts):
+        out = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+        assert llm.engine.block_manager.num_used_blocks() == 0
+        return out
+
+    batched = run(PROMPTS)
+    assert backend.stack_rows >= len(PROMPTS) and len(PROMPTS) in calls, "the batched decodes missed the stack"
+    calls.clear()
+    alone = [run([p])[0] for p in PROMPTS]
+    assert calls and set(calls) == {1}
+    ref = _dequantized_hf(hf, llm.engine.model)
+    want = [hf_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
+    assert [t for t, _ in batched] == want
+    assert [t for t, _ in alone] == want
+    backend.fused_decode = False                     # the same steps, layer by layer
+    calls.clear()
+    assert run(PROMPTS) == batched and not calls
+
+
 # ------------------------------------------------------------------ the sliding-window pool (engine/sliding_kv.py)
 BS = 4          # small blocks: the window spans four of them, so blocks really fall out of it
 SMALL = dict(block_size=BS, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=512)

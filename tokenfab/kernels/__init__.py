@@ -63,13 +63,14 @@ _SIGNATURES = {
     "tf_decode_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F],
     "tf_decode_attention_window": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
     "tf_silu_mul": [_P, _P, _I, _I],
+    "tf_gelu_tanh_mul": [_P, _P, _I, _I],
     "tf_qgemm": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_kgemm": [_P, _P, _I, _I, _I, _P, _I],
     "tf_kdequant": [_P, _P, _I, _I, _I],
     "tf_qdot": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_qtile": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_qtile_ref": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
-    "tf_decode_layers": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _I, _P, _I, _F],
+    "tf_decode_layers": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I, _F],
 }
 QGEMM_MAX_ROWS = 16     # rows tf_qgemm takes (8 per pass over W, TF_MAX_ROWS in cpu.c); 2-core VM: beats the
                         # float32 GEMM by 25-37 % at 9-16 decode rows, even at 24, behind at 32
@@ -282,6 +283,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> gelu_tanh(first half) * second half, [T, I] (GeGLU; a few ulp from torch's gelu)."""
+    gate_up = gate_up.contiguous()
+    T, I2 = gate_up.shape
+    out = torch.empty(T, I2 // 2)
+    _lib.tf_gelu_tanh_mul(out.data_ptr(), gate_up.data_ptr(), T, I2 // 2)
+    return out
+
+
 def qgemm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group_size: int, bits: int,
           out_features: int) -> torch.Tensor:
     """x [M, K] float32 @ a quantized [out, K] weight (layouts in cpu.c), float32 [M, out]; M up to
@@ -394,18 +404,33 @@ class QLinear(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """tf_layer in cpu.c: a decoder layer's norm weights, linears and KV pools."""
+    """tf_layer in cpu.c: a decoder layer's norm weights, linears and KV pools; the q/k and output
+    norms are NULL where the layer has none, `window` 0 for a global layer."""
     _fields_ = [("ln1", _P), ("ln2", _P), ("qkv", QLinear), ("o", QLinear), ("gate_up", QLinear),
-                ("down", QLinear), ("k_cache", _P), ("v_cache", _P)]
+                ("down", QLinear), ("k_cache", _P), ("v_cache", _P), ("q_norm", _P), ("k_norm", _P),
+                ("attn_out_norm", _P), ("mlp_out_norm", _P), ("window", _I)]
+
+
+class StepView(ctypes.Structure):
+    """tf_step_view in cpu.c: what a step's layers read besides their weights (one view for the global
+    layers, one for the sliding ones)."""
+    _fields_ = [("positions", _P), ("slots", _P), ("block_tables", _P), ("ctx_lens", _P), ("bt_stride", _I),
+                ("cos", _P), ("sin", _P)]
+
+    @classmethod
+    def of(cls, meta, rope) -> "StepView":
+        bt = meta.decode_block_tables
+        return cls(meta.positions.data_ptr(), meta.slot_mapping.data_ptr(), bt.data_ptr(),
+                   meta.decode_context_lens.data_ptr(), bt.stride(0), rope.cos.data_ptr(), rope.sin_signed.data_ptr())
+
+
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}     # tf_decode_layers' `act` (TF_ACT_* in cpu.c)
 
 
 def decode_layers(x: torch.Tensor, layers, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                  intermediate: int, eps: float, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-                  slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                  scale: float) -> None:
+                  intermediate: int, eps: float, act: str, views, block_size: int, scale: float) -> None:
     """The whole decoder stack for a decode step of at most QGEMM_MAX_ROWS tokens, x [M, hidden] updated
-    in place (tf_decode_layers); `layers` is a ctypes array of Layer."""
+    in place (tf_decode_layers); `layers` is a ctypes array of Layer, `views` one of two StepViews
+    (global layers, sliding layers), whose tensors the caller keeps alive for the call."""
     _lib.tf_decode_layers(x.data_ptr(), x.shape[0], hidden, len(layers), layers, num_heads, num_kv_heads, head_dim,
-                          intermediate, eps, positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
-                          slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
-                          block_size, scale)
+                          intermediate, eps, ACTIVATIONS[act], views, block_size, scale)

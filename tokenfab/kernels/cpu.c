@@ -263,6 +263,34 @@ void tf_silu_mul(float *out, const float *gate_up, int64_t T, int64_t I) {
     }
 }
 
+/* out[t] = gelu_tanh(gate_up[t, :I]) * gate_up[t, I:], the GeGLU activation (Gemma) of a fused gate/up row.
+ * gelu_tanh(g) = 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3), computed as g / (1 + e^(-2u))
+ * (the same value: 1 + tanh(u) = 2 / (1 + e^(-2u))), so it shares tf_silu_mul's exp and has no
+ * cancellation near u = 0. Within a few ulp of torch's gelu(approximate="tanh") (Sleef's tanh), not
+ * bit-equal: the cpu backend runs this kernel in the layer path and the one-call stack alike. */
+void tf_gelu_tanh_mul(float *out, const float *gate_up, int64_t T, int64_t I) {
+    const float k2 = 2.f * 0.7978845608028654f, kk = 0.044715f;     /* 2 sqrt(2 / pi), the cubic's factor */
+#pragma omp parallel for if (T >= 8)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv);
+            const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(k2), _mm256_fmadd_ps(_mm256_set1_ps(kk), g3, gv));
+            const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.f), tf_exp256(_mm256_sub_ps(_mm256_setzero_ps(), inner)));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) {
+            const float inner = k2 * fmaf(kk, g[i] * g[i] * g[i], g[i]);
+            o[i] = g[i] / (1.f + expf(-inner)) * u[i];
+        }
+    }
+}
+
 /* Quantized weights times activations for a few rows (decode): y[M, N] = x[M, K] @ W^T, 8 rows per
  * pass over W.
  * Each activation row is quantized to int16 in blocks of 32 (one float scale per block: max|x| /
@@ -548,6 +576,94 @@ static inline float tf_dot256(const float *a, const float *b) {
     return acc;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* One output row of a K-quant weight (`row`: its super-blocks) for M activation rows (M a constant at
+ * each call site): each super-block expanded to 256 floats once, then dotted with every activation row
+ * into A vector accumulators per row, kept across the super-blocks, so the FMAs form M * A independent
+ * chains (one chain per row and super-block, as before, was latency-bound: ~4x slower at 8 rows) and
+ * each row is summed horizontally once. A = 4 / 2 / 1 for up to 2 / 4 / 8 rows keeps them in registers. */
+static inline __attribute__((always_inline)) void tf_kgemm_row(const int M, float *out, const float *x, int64_t K,
+                                                              const uint8_t *row, int64_t type, int64_t bb) {
+    const int A = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+    float w[256] __attribute__((aligned(32)));
+    __m256 acc[TF_MAX_ROWS][4];
+    for (int r = 0; r < M; r++)
+        for (int a = 0; a < A; a++) acc[r][a] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < K / 256; s++) {
+        const float *xs = x + s * 256;
+        if (type == TF_Q4_K) {
+            /* Q4_K without the float row: each 8 quant bytes give 8 weights of sub-block 2p (low nibbles)
+             * and 8 of 2p + 1 (high), a * q - m in registers, straight into the FMAs */
+            const uint8_t *b = row + s * bb;
+            const float d = tf_f16(b), dmin = tf_f16(b + 2);
+            uint8_t sc[8], mn[8];
+            tf_scale_min_k4(b + 4, sc, mn);
+            const __m256i m4 = _mm256_set1_epi32(0x0F);
+            for (int p = 0; p < 4; p++) {
+                const __m256 alo = _mm256_set1_ps(d * (float)sc[2 * p]), mlo = _mm256_set1_ps(dmin * (float)mn[2 * p]);
+                const __m256 ahi = _mm256_set1_ps(d * (float)sc[2 * p + 1]);
+                const __m256 mhi = _mm256_set1_ps(dmin * (float)mn[2 * p + 1]);
+                for (int l = 0; l < 32; l += 8) {
+                    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 + p * 32 + l)));
+                    const __m256 wlo = _mm256_fmsub_ps(alo, _mm256_cvtepi32_ps(_mm256_and_si256(q, m4)), mlo);
+                    const __m256 whi = _mm256_fmsub_ps(ahi, _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), mhi);
+                    for (int r = 0; r < M; r++) {
+                        const float *xr = xs + r * K + p * 64 + l;
+                        acc[r][0] = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(xr), acc[r][0]);
+                        acc[r][A - 1] = _mm256_fmadd_ps(whi, _mm256_loadu_ps(xr + 32), acc[r][A - 1]);
+                    }
+                }
+            }
+            continue;
+        }
+        if (type == TF_Q6_K) {
+            /* Q6_K the same way: per half of 128, 8 bytes of ql (and of ql + 32) and of qh give 8 weights in
+             * each of its four runs of 32 (tf_kdecode's order and arithmetic, so the same weight values) */
+            const uint8_t *b = row + s * bb;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = tf_f16(b + 208);
+            const __m256i m4 = _mm256_set1_epi32(0x0F), m3 = _mm256_set1_epi32(3), k32 = _mm256_set1_epi32(32);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = b + h * 64, *qh = b + 128 + h * 32;
+                for (int l = 0; l < 32; l += 8) {
+                    const int g = h * 8 + (l >> 4);
+                    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + l)));
+                    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 32 + l)));
+                    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + l)));
+                    const __m256i q[4] = {
+                        _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi32(_mm256_and_si256(e, m3), 4)),
+                        _mm256_or_si256(_mm256_and_si256(c, m4),
+                                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(e, 2), m3), 4)),
+                        _mm256_or_si256(_mm256_srli_epi32(a, 4),
+                                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(e, 4), m3), 4)),
+                        _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_slli_epi32(_mm256_srli_epi32(e, 6), 4))};
+                    for (int j = 0; j < 4; j++) {
+                        const __m256 wv = _mm256_mul_ps(_mm256_set1_ps(d * (float)sc[g + 2 * j]),
+                                                        _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], k32)));
+                        for (int r = 0; r < M; r++)
+                            acc[r][j & (A - 1)] = _mm256_fmadd_ps(
+                                wv, _mm256_loadu_ps(xs + r * K + h * 128 + j * 32 + l), acc[r][j & (A - 1)]);
+                    }
+                }
+            }
+            continue;
+        }
+        tf_kdecode(row + s * bb, type, w);
+        for (int i = 0; i < 256; i += 8 * A)
+            for (int a = 0; a < A; a++) {
+                const __m256 wv = _mm256_load_ps(w + i + 8 * a);
+                for (int r = 0; r < M; r++)
+                    acc[r][a] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs + r * K + i + 8 * a), acc[r][a]);
+            }
+    }
+    for (int r = 0; r < M; r++) {
+        __m256 t = acc[r][0];
+        for (int a = 1; a < A; a++) t = _mm256_add_ps(t, acc[r][a]);
+        out[r] = tf_hsum(t);
+    }
+}
+#endif
+
 /* y[M, N] = x[M, K] @ W^T for a K-quant W [N, K / 256 super-blocks]; 8 activation rows per pass. */
 void tf_kgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *raw, int64_t type) {
     if (M > TF_MAX_ROWS) {
@@ -558,12 +674,26 @@ void tf_kgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const u
     const int64_t bb = tf_kquant_block_bytes(type), nsb = K / 256;
 #pragma omp parallel for schedule(static) if (N >= 64)
     for (int64_t n = 0; n < N; n++) {
-        float w[256] __attribute__((aligned(32)));
+        const uint8_t *row = raw + n * nsb * bb;
         float acc[TF_MAX_ROWS] = {0};
+#if defined(__AVX2__) && defined(__FMA__)
+        switch (M) {
+            case 1: tf_kgemm_row(1, acc, x, K, row, type, bb); break;
+            case 2: tf_kgemm_row(2, acc, x, K, row, type, bb); break;
+            case 3: tf_kgemm_row(3, acc, x, K, row, type, bb); break;
+            case 4: tf_kgemm_row(4, acc, x, K, row, type, bb); break;
+            case 5: tf_kgemm_row(5, acc, x, K, row, type, bb); break;
+            case 6: tf_kgemm_row(6, acc, x, K, row, type, bb); break;
+            case 7: tf_kgemm_row(7, acc, x, K, row, type, bb); break;
+            default: tf_kgemm_row(8, acc, x, K, row, type, bb); break;
+        }
+#else
+        float w[256] __attribute__((aligned(32)));
         for (int64_t s = 0; s < nsb; s++) {
-            tf_kdecode(raw + (n * nsb + s) * bb, type, w);
+            tf_kdecode(row + s * bb, type, w);
             for (int64_t r = 0; r < M; r++) acc[r] += tf_dot256(w, x + r * K + s * 256);
         }
+#endif
         for (int64_t r = 0; r < M; r++) y[r * N + n] = acc[r];
     }
 }
@@ -1018,10 +1148,13 @@ void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
 
 /* A whole decode step of the decoder stack, for a few tokens (one per sequence) and layers whose
  * linears all have a tf_qgemm layout: per layer
- *   h = norm(x); qkv = h Wqkv; RoPE + KV write; a = attention; x += a Wo;
- *   h = norm(x); x += silu_mul(h Wgate_up) Wdown
+ *   h = norm(x); qkv = h Wqkv; [q/k norms per head]; RoPE + KV write; a = attention; a = a Wo;
+ *   [a = norm(a)]; x += a;  h = norm(x); m = act(h Wgate_up) Wdown; [m = norm(m)]; x += m
  * with the kernels above, in one call instead of ~10 Python calls per layer. x [M, hidden] is the
- * residual stream, updated in place. The arithmetic is the Python path's, call for call. */
+ * residual stream, updated in place. The arithmetic is the Python path's, call for call.
+ * The bracketed steps run where the layer has those weights (NULL: Llama skips them); Gemma 3 has all
+ * of them, `act` 1 (GeGLU) and sliding layers (window > 0) that read the step's second view: their own
+ * KV pool's slots and block tables (engine/sliding_kv.py) and the local RoPE tables. */
 typedef struct {
     const void *q;
     const float *d, *m;
@@ -1032,13 +1165,23 @@ typedef struct {
     const float *ln1, *ln2;
     tf_qlin qkv, o, gate_up, down;
     float *k_cache, *v_cache;
+    const float *q_norm, *k_norm;              /* per-head RMSNorm weights of q and k (Qwen3, Gemma 3), or NULL */
+    const float *attn_out_norm, *mlp_out_norm; /* norms of the attention and MLP outputs (Gemma 3), or NULL */
+    int64_t window;                            /* > 0: a sliding layer (view 1, its window only); 0: global */
 } tf_layer;
 
+/* What a step's layers read besides their weights: where the new K/V go, the block tables, and RoPE. */
+typedef struct {
+    const int64_t *positions, *slots, *block_tables, *ctx_lens;
+    int64_t bt_stride;
+    const float *cos_t, *sin_t;
+} tf_step_view;
+
+enum { TF_ACT_SILU = 0, TF_ACT_GELU_TANH = 1 };
+
 void tf_decode_layers(float *x, int64_t M, int64_t hidden, int64_t n_layers, const tf_layer *layers,
-                      int64_t H, int64_t KVH, int64_t D, int64_t inter, float eps,
-                      const int64_t *positions, const float *cos_t, const float *sin_t, const int64_t *slots,
-                      const int64_t *block_tables, int64_t bt_stride, const int64_t *ctx_lens, int64_t bs,
-                      float scale) {
+                      int64_t H, int64_t KVH, int64_t D, int64_t inter, float eps, int64_t act,
+                      const tf_step_view *views, int64_t bs, float scale) {
     const int64_t qkv_n = (H + 2 * KVH) * D;
     const int64_t widest = qkv_n > 2 * inter ? qkv_n : 2 * inter;
     float *h = (float *)malloc(sizeof(float) * (size_t)(M * hidden));
@@ -1047,18 +1190,30 @@ void tf_decode_layers(float *x, int64_t M, int64_t hidden, int64_t n_layers, con
     float *y = (float *)malloc(sizeof(float) * (size_t)(M * hidden));
     for (int64_t l = 0; l < n_layers; l++) {
         const tf_layer *L = layers + l;
+        const tf_step_view *v = views + (L->window > 0);
         tf_rms_norm(h, x, L->ln1, M, hidden, eps);
         tf_qgemm(wide, h, M, hidden, qkv_n, L->qkv.q, L->qkv.d, L->qkv.m, L->qkv.gs, L->qkv.bits);
-        tf_rope_write_kv(wide, M, qkv_n, H, KVH, D, positions, cos_t, sin_t, L->k_cache, L->v_cache, slots);
-        tf_decode_attention(mid, wide, qkv_n, L->k_cache, L->v_cache, block_tables, bt_stride, ctx_lens, M, H, KVH,
-                            D, bs, scale);
+        if (L->q_norm)      /* in place: each row's sum of squares is taken before it is written */
+            for (int64_t t = 0; t < M; t++) {
+                tf_rms_norm(wide + t * qkv_n, wide + t * qkv_n, L->q_norm, H, D, eps);
+                tf_rms_norm(wide + t * qkv_n + H * D, wide + t * qkv_n + H * D, L->k_norm, KVH, D, eps);
+            }
+        tf_rope_write_kv(wide, M, qkv_n, H, KVH, D, v->positions, v->cos_t, v->sin_t, L->k_cache, L->v_cache,
+                         v->slots);
+        tf_decode_attention_window(mid, wide, qkv_n, L->k_cache, L->v_cache, v->block_tables, v->bt_stride,
+                                   v->ctx_lens, M, H, KVH, D, bs, scale, L->window);
         tf_qgemm(y, mid, M, H * D, hidden, L->o.q, L->o.d, L->o.m, L->o.gs, L->o.bits);
+        if (L->attn_out_norm) tf_rms_norm(y, y, L->attn_out_norm, M, hidden, eps);
         for (int64_t i = 0; i < M * hidden; i++) x[i] += y[i];
         tf_rms_norm(h, x, L->ln2, M, hidden, eps);
         tf_qgemm(wide, h, M, hidden, 2 * inter, L->gate_up.q, L->gate_up.d, L->gate_up.m, L->gate_up.gs,
                  L->gate_up.bits);
-        tf_silu_mul(mid, wide, M, inter);
+        if (act == TF_ACT_GELU_TANH)
+            tf_gelu_tanh_mul(mid, wide, M, inter);
+        else
+            tf_silu_mul(mid, wide, M, inter);
         tf_qgemm(y, mid, M, inter, hidden, L->down.q, L->down.d, L->down.m, L->down.gs, L->down.bits);
+        if (L->mlp_out_norm) tf_rms_norm(y, y, L->mlp_out_norm, M, hidden, eps);
         for (int64_t i = 0; i < M * hidden; i++) x[i] += y[i];
     }
     free(h);

@@ -6,11 +6,13 @@
 - **torch**: the portable path (model/attention.py): RoPE in torch, `index_copy_` K/V writes, gather +
   SDPA. Runs on CPU and CUDA, any dtype, the int8 KV cache; the reference every backend must match.
 - **cpu**: tokenfab's C kernels (tokenfab/kernels): RoPE and the K/V write in one pass over the qkv
-  rows, decode attention straight from the paged pools (no gather), and C RMSNorm / SiLU-and-multiply
-  in every layer. On a decode step of few rows whose linears all run `tf_qgemm` (the measured plan
-  says so; the default Q4_1 GGUF) it runs the whole decoder stack in one ctypes call
-  (`tf_decode_layers`): the same kernels in the same order, the same logits, without ~10 Python calls
-  per layer. Prefill attention stays on torch's SDPA. float32 on the CPU only; with the int8 KV cache
+  rows, decode attention straight from the paged pools (no gather), and C RMSNorm and SiLU- or
+  GeLU-and-multiply in every layer. On a decode step of few rows whose linears all run `tf_qgemm` (the
+  measured plan says so; the default Q4_1 GGUF, Gemma 3 270M's Q4_K_M) it runs the whole decoder stack
+  in one ctypes call (`tf_decode_layers`): the same kernels in the same order, the same logits,
+  without ~10 Python calls per layer. Gemma 3's extra steps (q/k norms, norms on the attention and MLP
+  outputs, GeGLU, sliding layers with their own pool and RoPE base) are per-layer fields of its layer
+  table. Prefill attention stays on torch's SDPA. float32 on the CPU only; with the int8 KV cache
   attention falls back to the torch path (the C norms stay).
 
 "auto" takes cpu where it can run (kernels built, CPU, float32), else torch. Every choice is made here,
@@ -123,10 +125,13 @@ class CpuBackend(TorchBackend):
         layers = self._stack[2]
         if num_layers is not None and num_layers < len(layers):   # self-speculative drafting: a prefix view
             layers = (kernels.Layer * num_layers).from_buffer(layers)
+        # global layers read the step's metadata and RoPE; sliding ones (Gemma 3) their own pool's
+        # metadata when the runner gave one (engine/sliding_kv.py) and the local RoPE base where it differs
+        views = (kernels.StepView * 2)(kernels.StepView.of(meta, model.rope),
+                                       kernels.StepView.of(meta.sliding or meta, model.rope_local or model.rope))
         kernels.decode_layers(x, layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                              cfg.intermediate_size, model.norm.eps, meta.positions, model.rope.cos,
-                              model.rope.sin_signed, meta.slot_mapping, meta.decode_block_tables,
-                              meta.decode_context_lens, paged.block_size, paged.scale)
+                              cfg.intermediate_size, model.norm.eps, cfg.hidden_act, views, paged.block_size,
+                              paged.scale)
         return True
 
     def describe(self) -> str:
@@ -146,15 +151,16 @@ def _set_c_ops(model, on: bool) -> None:
 
 def _build_stack(model, kv_caches, cap: int) -> tuple | None:
     """The ctypes layer table for kernels.decode_layers, and the most rows it may take: every layer a
-    plain pre-norm block (no bias, q/k norm or input scale) whose four linears' plans run tf_qgemm
-    (or tf_qdot, through tf_qgemm's flag) from 1 row up; the rows are the smallest qgemm range among them, capped. None if it can't."""
+    pre-norm block without bias or input scale (q/k norms, output norms, GeGLU and sliding windows are
+    the table's per-layer fields: Qwen3, Gemma 3) whose four linears' plans run tf_qgemm (or tf_qdot,
+    through tf_qgemm's flag) from 1 row up; the rows are the smallest qgemm range among them, capped.
+    None if it can't."""
     from tokenfab.kernels.linear import KernelLinear
     from tokenfab.kernels.tuning import STACK_KERNELS, default_plan
 
     cfg = model.config
-    if cfg.qk_norm or cfg.qkv_bias or cfg.head_dim > kernels.MAX_HEAD_DIM or cfg.head_dim % 2 \
-            or cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.sliding_window:    # Gemma: the layer path
-
+    if cfg.qkv_bias or cfg.head_dim > kernels.MAX_HEAD_DIM or cfg.head_dim % 2 \
+            or cfg.hidden_act not in kernels.ACTIVATIONS:
         return None
     rows = cap
     table = (kernels.Layer * len(model.layers))()
@@ -162,10 +168,19 @@ def _build_stack(model, kv_caches, cap: int) -> tuple | None:
     for entry, layer, (k_cache, v_cache) in zip(table, model.layers, kv_caches):
         if not isinstance(k_cache, torch.Tensor) or k_cache.dtype != torch.float32:
             return None
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if any(n.eps != model.norm.eps or n.weight.dtype != torch.float32 for n in norms):
+        attn = layer.self_attn
+        # (input norm, MLP input norm, attention output norm, MLP output norm): Gemma 3's sandwich, or
+        # Llama's two with no output norms
+        if layer.sandwich:
+            norms = (layer.input_layernorm, layer.pre_feedforward_layernorm,
+                     layer.post_attention_layernorm, layer.post_feedforward_layernorm)
+        else:
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, None, None)
+        qk = (attn.q_norm, attn.k_norm) if attn.q_norm is not None else (None, None)
+        if any(n is not None and (n.eps != model.norm.eps or n.weight.dtype != torch.float32
+                                  or not n.weight.is_contiguous()) for n in norms + qk):
             return None
-        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         layouts = []
         for lin in linears:
             if not isinstance(lin, KernelLinear) or lin.bias is not None or lin.input_scale_tensor is not None:
@@ -180,7 +195,10 @@ def _build_stack(model, kv_caches, cap: int) -> tuple | None:
                 rows = min(rows, first.max_rows)
             layouts.append(kernels.QLinear.of(layout))
             keep.append(layout)
-        entry.ln1, entry.ln2 = norms[0].weight.data_ptr(), norms[1].weight.data_ptr()
+        entry.ln1, entry.ln2, entry.attn_out_norm, entry.mlp_out_norm = (
+            None if n is None else n.weight.data_ptr() for n in norms)
+        entry.q_norm, entry.k_norm = (None if n is None else n.weight.data_ptr() for n in qk)
+        entry.window = attn.window or 0
         entry.qkv, entry.o, entry.gate_up, entry.down = layouts
         entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
     return kv_caches[0][0].data_ptr(), rows, table, keep

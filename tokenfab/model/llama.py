@@ -58,15 +58,15 @@ class MLP(nn.Module):
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"       # GeGLU (Gemma) instead of SwiGLU
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.c_kernel = False               # C SiLU-and-multiply; set once at load by the cpu backend
+        self.c_kernel = False               # C SwiGLU / GeGLU; set once at load by the cpu backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.c_kernel:       # the one-call decode stack's kernels, so both paths give the same logits
+            return self.down_proj(kernels.gelu_tanh_mul(gate_up) if self.gelu else kernels.silu_mul(gate_up))
         if self.gelu:
             gate, up = gate_up.split(self.inter, dim=-1)
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        if self.c_kernel:
-            return self.down_proj(kernels.silu_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
