@@ -23,15 +23,18 @@ PER_TOKEN = MeasuredStepCost(knots=(0.0, 1000.0), values=(0.0, 1.0),
                              coef={"num_seqs": 0.0, "attn_pairs": 0.0, "kv_tokens": 0.0})
 
 
-def seq(rid: str, n: int, cls: str = "interactive", max_tokens: int = 1000) -> Sequence:
+def seq(rid: str, n: int, cls: str = "interactive", max_tokens: int = 1000, at: float = 0.0) -> Sequence:
     base = 1000 * (sum(map(ord, rid)) % 97)          # distinct prompts: no accidental prefix hits
-    return Sequence(rid, 0, [base + k for k in range(n)], SamplingParams(), max_tokens=max_tokens, service_class=cls)
+    return Sequence(rid, 0, [base + k for k in range(n)], SamplingParams(), max_tokens=max_tokens, service_class=cls,
+                    arrival_time=at)
 
 
 def sched(target_ms: float | None = None, slack: float = 0.2, min_tokens: int = 1, seqs: int = 16, budget: int = 256,
           **kw) -> tuple[Scheduler, SimpleNamespace]:
-    model = SimpleNamespace(cost=None)                # uncalibrated until a test sets it
-    step_budget = StepBudget(model, None if target_ms is None else target_ms / 1e3, slack, min_tokens)
+    """A scheduler under a step budget whose clock is `model.now` (seconds; arrivals are at 0 unless given)."""
+    model = SimpleNamespace(cost=None, now=0.0)       # uncalibrated until a test sets it
+    step_budget = StepBudget(model, None if target_ms is None else target_ms / 1e3, slack, min_tokens,
+                             clock=lambda: model.now)
     return Scheduler(BlockManager(256, BLOCK), seqs, budget, step_budget=step_budget, **kw), model
 
 
@@ -65,7 +68,8 @@ def test_batch_rows_are_admitted_when_the_interactive_load_leaves_room():
     (i1,) = [q for q in s.running if q.request_id == "i1"]
     s.remove(i1)
     s.add(seq("b5", 40, "batch"))
-    step = run_step(s)                                # no interactive work: no limit, the token budget rules
+    model.now = 1000.0                                # and no interactive request for a long while:
+    step = run_step(s)                                # no limit, the token budget rules
     assert step["b5"] == 40 and len(step) == 5
 
 
@@ -97,8 +101,10 @@ def test_batch_prefill_chunks_shrink_to_fit_and_short_interactive_prompts_go_fir
     model.cost = PER_TOKEN
     s.add(seq("b1", 60, "batch"))
     s.add(seq("i2", 12))
-    step = run_step(s)                                # i1's decode and i2's 12-token prefill are firm: 13 ms
-    assert step == {"i1": 1, "i2": 12, "b1": 7}
+    step = run_step(s)                                # i1's decode and i2's 12-token prefill are firm: 13 ms,
+    assert step == {"i1": 1, "i2": 12}                # and i2's TTFT depends on this step: no batch in it
+    step = run_step(s)                                # two decodes: the batch chunk fills up to the 20 ms
+    assert step == {"i1": 1, "i2": 1, "b1": 18}
 
 
 def test_batch_makes_progress_over_the_budget_when_no_interactive_prompt_waits():
