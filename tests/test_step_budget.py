@@ -73,12 +73,12 @@ def test_batch_rows_are_admitted_when_the_interactive_load_leaves_room():
     assert step["b5"] == 40 and len(step) == 5
 
 
-def test_without_a_target_batch_may_make_a_step_at_most_the_slack_slower():
-    s, model = sched(target_ms=None, slack=0.5)
+def test_without_a_target_batch_may_add_the_slack_of_one_decode_step_to_an_interactive_step():
+    s, model = sched(target_ms=None, slack=2.0)
     decoding(s, ("i1", "interactive"), ("i2", "interactive"), ("i3", "interactive"), ("i4", "interactive"),
              ("b1", "batch"), ("b2", "batch"), ("b3", "batch"), ("b4", "batch"))
     model.cost = PER_TOKEN
-    step = run_step(s)                                # 4 ms of interactive work: 6 ms in all
+    step = run_step(s)                                # 4 ms of interactive work + 2.0 x 1 ms
     assert sum(rid.startswith("b") for rid in step) == 2 and sum(rid.startswith("i") for rid in step) == 4
 
 
@@ -143,7 +143,7 @@ def test_fit_is_the_most_tokens_within_the_limit():
     assert b.fit(shape, 0, 100, 0.010) == 7
     assert b.fit(shape, 0, 5, 0.010) == 5
     assert b.fit(shape, 0, 100, 0.003) == 0
-    assert b.limit(shape) == pytest.approx(1.2 * 0.003)
+    assert b.limit(shape) == pytest.approx(0.003 + 0.2 * 0.001)   # the slack of one decode step (1 ms)
     assert b.limit(StepShape()) is None               # no firm work: no limit
 
 
@@ -241,14 +241,17 @@ def test_interactive_traffic_is_about_for_ten_mean_gaps_after_the_last_arrival()
     assert not b.interactive_about()
 
 
-def test_the_idle_limit_is_the_slack_over_the_mean_interactive_step_and_never_below_one_decode():
+def test_the_idle_limit_is_the_slack_over_the_recent_interactive_steps_and_never_below_one_decode():
     now = [0.0]
     b = StepBudget(SimpleNamespace(cost=PER_TOKEN), None, slack=0.5, clock=lambda: now[0])
     b.note_arrival(0.0)
     assert b.limit(StepShape()) == pytest.approx(1.5 * 0.001)      # no interactive step seen: one decode row
-    firm = StepShape()
+    firm, huge = StepShape(), StepShape()
     firm.add(10, 1, 8)
-    b.limit(firm)                                     # an 8 ms interactive step
+    huge.add(0, 100)
+    for _ in range(9):
+        b.limit(firm)                                 # 8 ms interactive steps ...
+    b.limit(huge)                                     # ... and one rare 100 ms prefill: their 90th percentile
     assert b.limit(StepShape()) == pytest.approx(1.5 * 0.008)
     b.target_s = 0.005
     assert b.limit(StepShape()) == pytest.approx(0.005)            # an absolute target is never exceeded
