@@ -65,7 +65,8 @@ def step(s: Scheduler, now: list[float]) -> list[Sequence]:
 
 
 def prompt(rid: str, n: int) -> list[int]:
-    return [hash((rid, k)) % 30000 for k in range(n)]
+    rng = random.Random(rid)                  # distinct prompts, the same in every process
+    return [rng.randrange(30000) for _ in range(n)]
 
 
 def capacity(args) -> float:
@@ -133,7 +134,7 @@ def _q(v: list[float], q: float) -> float:
     return v[min(len(v) - 1, math.ceil(q * len(v)) - 1)]
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=200)
@@ -151,7 +152,11 @@ def main() -> None:
     ap.add_argument("--max-long-prefill-tokens", type=int, default=128)
     ap.add_argument("--slack", type=float, default=0.2)
     ap.add_argument("--no-step-budget", action="store_true", help="token caps only")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
 
     cap_tok_s = capacity(args)
     rate = args.load * cap_tok_s / args.output_len
