@@ -132,7 +132,7 @@ def test_snapshot_counts_interactive_slots_and_their_steps_left_but_not_batch_on
     sched = SimpleNamespace(running=running, waiting=waiting, batch_prefill_share=1.0, max_num_seqs=3)
     snap = QueueSnapshot.of(sched, 512)
     assert (snap.interactive_seqs, snap.max_num_seqs, snap.slot_free_steps) == (3, 3, (8, 25))
-    assert (snap.decodes, snap.interactive_prefill, snap.batch_chunk) == (3, 20, 300)
+    assert (snap.decodes, snap.batch_decodes, snap.interactive_prefill, snap.batch_chunk) == (3, 1, 20, 300)
     assert snap.slot_wait_steps() == 8
 
 
@@ -186,3 +186,29 @@ def test_server_routes_priority_to_the_batch_class_and_never_sheds_it(server):
         assert r.status_code == 400 and (err["param"], err["code"]) == ("priority", "unsupported")
     assert slo.finished["batch"] == before["batch"] + 2
     assert slo.finished["interactive"] == before["interactive"]
+
+
+def test_with_a_step_budget_batch_work_counts_only_as_far_as_the_budget_lets_it_into_a_step():
+    from tokenfab.engine.step_budget import StepBudget
+    from tokenfab.server.slo import predict_tpot
+    relative = StepBudget(SimpleNamespace(cost=TINY), None, slack=0.2)
+    absolute = StepBudget(SimpleNamespace(cost=TINY), 0.050)
+    # 2 interactive and 10 batch sequences decode, and a 100-token batch chunk waits.
+    snap = QueueSnapshot(decodes=12, batch_decodes=10, mean_context=100, batch_chunk=100)
+    assert predict_tpot(TINY, snap) == pytest.approx(0.113)          # no budget: all of it in every step
+    assert predict_tpot(TINY, snap, relative) == pytest.approx(0.003 + 0.2 * 0.001)  # + the slack of one decode
+    assert predict_tpot(TINY, snap, absolute) == pytest.approx(0.050)
+    # A waiting prompt makes every step before its first token TTFT-critical: no batch work in them.
+    assert predict_ttft(TINY, snap, 400, 512) == pytest.approx(0.512)
+    assert predict_ttft(TINY, snap, 400, 512, step_budget=relative) == pytest.approx(0.402)
+
+
+def test_a_tpot_target_does_not_shed_for_batch_work_the_step_budget_holds_back():
+    from tokenfab.engine.step_budget import StepBudget
+    snap = QueueSnapshot(decodes=12, batch_decodes=10, mean_context=100, batch_chunk=100)
+    online = SimpleNamespace(cost=TINY, snapshot=snap, budget=512,
+                             step_budget=StepBudget(SimpleNamespace(cost=TINY), 0.050))
+    SloAdmission(online, None, 0.050).admit(16, "interactive")       # 3 interactive rows: 3 ms, batch to 50 ms
+    online.step_budget = None                                         # --no-enable-step-time-budget
+    with pytest.raises(APIError):
+        SloAdmission(online, None, 0.050).admit(16, "interactive")   # 13 rows + 100 batch tokens: 113 ms

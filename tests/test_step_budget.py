@@ -23,15 +23,18 @@ PER_TOKEN = MeasuredStepCost(knots=(0.0, 1000.0), values=(0.0, 1.0),
                              coef={"num_seqs": 0.0, "attn_pairs": 0.0, "kv_tokens": 0.0})
 
 
-def seq(rid: str, n: int, cls: str = "interactive", max_tokens: int = 1000) -> Sequence:
+def seq(rid: str, n: int, cls: str = "interactive", max_tokens: int = 1000, at: float = 0.0) -> Sequence:
     base = 1000 * (sum(map(ord, rid)) % 97)          # distinct prompts: no accidental prefix hits
-    return Sequence(rid, 0, [base + k for k in range(n)], SamplingParams(), max_tokens=max_tokens, service_class=cls)
+    return Sequence(rid, 0, [base + k for k in range(n)], SamplingParams(), max_tokens=max_tokens, service_class=cls,
+                    arrival_time=at)
 
 
 def sched(target_ms: float | None = None, slack: float = 0.2, min_tokens: int = 1, seqs: int = 16, budget: int = 256,
           **kw) -> tuple[Scheduler, SimpleNamespace]:
-    model = SimpleNamespace(cost=None)                # uncalibrated until a test sets it
-    step_budget = StepBudget(model, None if target_ms is None else target_ms / 1e3, slack, min_tokens)
+    """A scheduler under a step budget whose clock is `model.now` (seconds; arrivals are at 0 unless given)."""
+    model = SimpleNamespace(cost=None, now=0.0)       # uncalibrated until a test sets it
+    step_budget = StepBudget(model, None if target_ms is None else target_ms / 1e3, slack, min_tokens,
+                             clock=lambda: model.now)
     return Scheduler(BlockManager(256, BLOCK), seqs, budget, step_budget=step_budget, **kw), model
 
 
@@ -65,16 +68,17 @@ def test_batch_rows_are_admitted_when_the_interactive_load_leaves_room():
     (i1,) = [q for q in s.running if q.request_id == "i1"]
     s.remove(i1)
     s.add(seq("b5", 40, "batch"))
-    step = run_step(s)                                # no interactive work: no limit, the token budget rules
+    model.now = 1000.0                                # and no interactive request for a long while:
+    step = run_step(s)                                # no limit, the token budget rules
     assert step["b5"] == 40 and len(step) == 5
 
 
-def test_without_a_target_batch_may_make_a_step_at_most_the_slack_slower():
-    s, model = sched(target_ms=None, slack=0.5)
+def test_without_a_target_batch_may_add_the_slack_of_one_decode_step_to_an_interactive_step():
+    s, model = sched(target_ms=None, slack=2.0)
     decoding(s, ("i1", "interactive"), ("i2", "interactive"), ("i3", "interactive"), ("i4", "interactive"),
              ("b1", "batch"), ("b2", "batch"), ("b3", "batch"), ("b4", "batch"))
     model.cost = PER_TOKEN
-    step = run_step(s)                                # 4 ms of interactive work: 6 ms in all
+    step = run_step(s)                                # 4 ms of interactive work + 2.0 x 1 ms
     assert sum(rid.startswith("b") for rid in step) == 2 and sum(rid.startswith("i") for rid in step) == 4
 
 
@@ -97,8 +101,10 @@ def test_batch_prefill_chunks_shrink_to_fit_and_short_interactive_prompts_go_fir
     model.cost = PER_TOKEN
     s.add(seq("b1", 60, "batch"))
     s.add(seq("i2", 12))
-    step = run_step(s)                                # i1's decode and i2's 12-token prefill are firm: 13 ms
-    assert step == {"i1": 1, "i2": 12, "b1": 7}
+    step = run_step(s)                                # i1's decode and i2's 12-token prefill are firm: 13 ms,
+    assert step == {"i1": 1, "i2": 12}                # and i2's TTFT depends on this step: no batch in it
+    step = run_step(s)                                # two decodes: the batch chunk fills up to the 20 ms
+    assert step == {"i1": 1, "i2": 1, "b1": 18}
 
 
 def test_batch_makes_progress_over_the_budget_when_no_interactive_prompt_waits():
@@ -137,7 +143,7 @@ def test_fit_is_the_most_tokens_within_the_limit():
     assert b.fit(shape, 0, 100, 0.010) == 7
     assert b.fit(shape, 0, 5, 0.010) == 5
     assert b.fit(shape, 0, 100, 0.003) == 0
-    assert b.limit(shape) == pytest.approx(1.2 * 0.003)
+    assert b.limit(shape) == pytest.approx(0.003 + 0.2 * 0.001)   # the slack of one decode step (1 ms)
     assert b.limit(StepShape()) is None               # no firm work: no limit
 
 
@@ -170,3 +176,82 @@ def test_serve_takes_the_tpot_target_as_the_step_budget_unless_one_is_given():
     engine = EngineConfig()
     apply_slo_to_step_budget(engine, ServerConfig())
     assert engine.step_time_budget_ms is None
+
+
+# Issue 15's arrival bound: a step with no interactive work is bounded too, while interactive requests arrive.
+WITH_SEQ_COST = MeasuredStepCost(knots=(0.0, 1000.0), values=(0.010, 1.010),     # 10 ms a step, 1 ms a token,
+                                 coef={"num_seqs": 0.005, "attn_pairs": 0.0, "kv_tokens": 0.0})  # 5 ms a row
+
+
+def test_a_step_without_interactive_work_is_bounded_while_interactive_requests_arrive():
+    s, model = sched(slack=0.5)
+    decoding(s, ("i1", "interactive"), ("i2", "interactive"), ("i3", "interactive"), ("i4", "interactive"))
+    model.cost = PER_TOKEN
+    run_step(s)                                       # the interactive steps take 4 ms
+    for q in list(s.running):
+        s.remove(q)
+    s.add(seq("b1", 40, "batch"))
+    model.now = 1.0
+    assert run_step(s) == {"b1": 6}                   # an arrival now waits at most 1.5 x 4 ms
+    model.now = 1000.0                                # no interactive request for a long while: no limit
+    assert run_step(s) == {"b1": 34}
+
+
+def test_pure_batch_work_runs_at_full_speed_when_no_interactive_request_ever_came():
+    s, model = sched(slack=0.0)
+    decoding(s, ("b1", "batch"), ("b2", "batch"))
+    model.cost = PER_TOKEN
+    s.add(seq("b3", 100, "batch"))
+    assert run_step(s) == {"b1": 1, "b2": 1, "b3": 100}    # no limit: the token budget rules
+
+
+def test_no_batch_work_rides_in_a_step_where_an_interactive_prompt_prefills():
+    s, model = sched(slack=2.0)                       # a generous slack: 2 decode rows could take 6 ms
+    decoding(s, ("i1", "interactive"), ("b1", "batch"), ("b2", "batch"))
+    model.cost = PER_TOKEN
+    s.add(seq("i2", 12))
+    assert run_step(s) == {"i1": 1, "i2": 12}         # its time to first token is this step's time
+    assert run_step(s) == {"i1": 1, "i2": 1, "b1": 1, "b2": 1}
+
+
+def test_a_batch_row_dearer_than_one_steps_slack_still_runs_and_the_mean_step_stays_within_it():
+    s, model = sched(slack=0.2)
+    decoding(s, ("i1", "interactive"), ("b1", "batch"))
+    model.cost = WITH_SEQ_COST                        # 1 row: 16 ms, 2 rows: 22 ms > 1.2 x 16 ms
+    times, batch_rows = [], 0
+    for _ in range(20):
+        step = run_step(s)
+        assert step["i1"] == 1
+        batch_rows += step.get("b1", 0)
+        times.append(0.010 + 0.006 * len(step))
+    assert batch_rows >= 8                            # a row every other step or so: never starved
+    assert sum(times) / len(times) <= 1.2 * 0.016 + 1e-9   # on average within the slack: what a TPOT sees
+
+
+def test_interactive_traffic_is_about_for_ten_mean_gaps_after_the_last_arrival():
+    now = [0.0]
+    b = StepBudget(SimpleNamespace(cost=PER_TOKEN), None, clock=lambda: now[0])
+    assert not b.interactive_about()                  # no arrival yet
+    for t in (0.0, 2.0, 4.0, 4.0):                    # a request's n sequences share one arrival time
+        b.note_arrival(t)
+    assert b.mean_gap_s == pytest.approx(2.0)
+    now[0] = 4.0 + 19.9
+    assert b.interactive_about()
+    now[0] = 4.0 + 20.1
+    assert not b.interactive_about()
+
+
+def test_the_idle_limit_is_the_slack_over_the_recent_interactive_steps_and_never_below_one_decode():
+    now = [0.0]
+    b = StepBudget(SimpleNamespace(cost=PER_TOKEN), None, slack=0.5, clock=lambda: now[0])
+    b.note_arrival(0.0)
+    assert b.limit(StepShape()) == pytest.approx(1.5 * 0.001)      # no interactive step seen: one decode row
+    firm, huge = StepShape(), StepShape()
+    firm.add(10, 1, 8)
+    huge.add(0, 100)
+    for _ in range(9):
+        b.limit(firm)                                 # 8 ms interactive steps ...
+    b.limit(huge)                                     # ... and one rare 100 ms prefill: their 90th percentile
+    assert b.limit(StepShape()) == pytest.approx(1.5 * 0.008)
+    b.target_s = 0.005
+    assert b.limit(StepShape()) == pytest.approx(0.005)            # an absolute target is never exceeded

@@ -40,9 +40,10 @@ class EngineConfig:
     enable_step_time_budget: bool = True     # size them with the online step model so interactive steps stay fast
     step_time_budget_ms: float | None = None  # a step's time limit with them in it; serve --slo-tpot-ms sets it;
                                              # None: relative, (1 + step_time_slack) x the interactive work's time
-    step_time_slack: float = 0.2             # ... fill may make an interactive step at most 20 % slower
-    step_budget_min_tokens: int = 1          # fill tokens per step over the limit while no interactive prompt
-                                             # waits, so batch work never starves
+    step_time_slack: float = 0.2             # ... fill may make an interactive decode step 20 % slower on average,
+                                             # and a step without interactive work 20 % longer than the mean one
+    step_budget_min_tokens: int = 1          # fill tokens per step over the limit when no interactive prompt
+                                             # waits or prefills, so batch work never starves
     seed: int = 0
     num_threads: int | None = None           # torch intra-op threads; None: torch's default
     # -- kernels: chosen once at load (tokenfab/kernels/linear.py, tokenfab/model/backends.py) ----------

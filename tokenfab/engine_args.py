@@ -126,11 +126,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     g.add_argument("--step-time-budget-ms", type=float, default=None, metavar="MS",
                    help="that limit (serve: --slo-tpot-ms when given); default: relative, see --step-time-slack")
     g.add_argument("--step-time-slack", type=float, default=None, metavar="FRACTION",
-                   help="without a limit in ms, batch and long-prompt work may make a step at most this much slower "
-                        f"than its interactive work alone (default: {d.step_time_slack})")
+                   help="without a limit in ms, batch and long-prompt work may make interactive decode steps at most "
+                        "this much slower on average, and a step with no interactive work at most this much longer than "
+                        f"the mean interactive step while interactive requests arrive (default: {d.step_time_slack})")
     g.add_argument("--step-budget-min-tokens", type=int, default=None, metavar="TOKENS",
-                   help="batch / long-prompt tokens a step takes over the limit while no interactive prompt waits, "
-                        f"so batch work never starves (default: {d.step_budget_min_tokens})")
+                   help="batch / long-prompt tokens a step takes over the limit when no interactive prompt waits "
+                        "or prefills in it, so batch work never starves (default: "
+                        f"{d.step_budget_min_tokens}; docs/batch.md)")
     g.add_argument("--seed", type=int, default=None, help=f"engine seed (default: {d.seed})")
     g.add_argument("--num-threads", type=_positive_int, default=None,
                    help="torch intra-op threads (default: torch's choice)")

@@ -50,7 +50,8 @@ async def _worker(app, todo, sink: ResultSink, slots: asyncio.Semaphore, on_resu
             status, rid, body = await _run_one(app, ln)
         record = result_line(ln.custom_id, status, rid, body)
         ok = 200 <= status < 300
-        sink.add(ln.line, record, not ok)
+        # The commit fsyncs (synchronous=FULL): off the event loop, where it would stall every stream.
+        await asyncio.to_thread(sink.add, ln.line, record, not ok)
         if on_result:
             on_result(ln.line, ok)
 

@@ -6,7 +6,8 @@ Each step spends `max_num_batched_tokens` tokens over at most `max_num_seqs` seq
    pool allow;
 2. then fill work: batch-class rows and prefill chunks in the long-prompt lane, running ones first,
    under the step-time budget when one is set (engine/step_budget.py: admitted only while the step
-   model predicts the step within the interactive TPOT target; prefill chunks shrink to fit).
+   model predicts the step within its time limit, which depends on the interactive work in it and on
+   whether interactive requests are arriving; prefill chunks shrink to fit).
 Prefill chunks and decodes go into one flat batch. When the pool runs dry, the newest running
 sequence (or the lowest-priority one under the priority policy) is preempted by recompute: its blocks
 are freed and it goes back to the front of the queue, keeping the tokens it generated.
@@ -51,6 +52,7 @@ class _StepPlan:
     room_made: int = 0               # preemptions made for the interactive queue head
     limit: float | None = None       # the step's time limit for fill work (None: none)
     floor_left: int = 0              # fill tokens still allowed over the limit (the progress floor)
+    firm_prefill: bool = False       # an interactive prompt prefills in this step (its TTFT depends on it)
 
 
 class Scheduler:
@@ -75,6 +77,8 @@ class Scheduler:
         """Queue `seq` after the waiting sequences of its class (interactive ones before batch ones);
         `front`: ahead of its class (a preempted sequence, under fcfs)."""
         seq.status = SequenceStatus.WAITING
+        if self.step_budget is not None and seq.service_class != BATCH and seq.num_preemptions == 0:
+            self.step_budget.note_arrival(seq.arrival_time)
         if self.policy == "priority":
             # Keep the queue ordered by (class, priority, arrival); preempted sequences keep their place by key.
             key = (class_rank(seq), seq.priority, seq.arrival_time)
@@ -146,12 +150,15 @@ class Scheduler:
 
         # 2. Fill work within the step-time budget: long-prompt prefills, then batch rows, running ones first.
         if self.step_budget is not None:
-            plan.limit = self.step_budget.limit(plan.shape)
             short_waiting = any(s.service_class != BATCH and not self._is_long(s) for s in self.waiting)
-            plan.floor_left = 0 if short_waiting else self.step_budget.min_tokens
+            critical = plan.firm_prefill or short_waiting
+            plan.limit = self.step_budget.limit(plan.shape, critical)
+            plan.floor_left = self.step_budget.floor(plan.shape, critical)
         for seq in fill:
             self._schedule_running(seq, plan, is_fill=True)
         self._admit_waiting(plan, is_fill=True)
+        if self.step_budget is not None:
+            self.step_budget.settle(plan.shape)
         return plan.batch
 
     def _fit(self, seq: Sequence, computed: int, n: int, plan: "_StepPlan") -> int:
@@ -234,6 +241,8 @@ class Scheduler:
         plan.shape.add(computed, n)
         if is_fill:
             plan.floor_left -= n
+        elif n > 1 and spend_caps:       # a prefill chunk, not a decode with drafts
+            plan.firm_prefill = True
 
     def _make_room_for_interactive(self, batch: ScheduledBatch) -> None:
         """Preempt running batch sequences, newest first, while the interactive sequence at the head of

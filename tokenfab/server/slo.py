@@ -10,7 +10,10 @@ target cannot be met, and report predicted and achieved latency and goodput per 
   prefill tokens still to run, running decodes and their mean context, and the batch prefill chunk a
   step carries. Requests admitted since that snapshot are added on the event loop.
 - A new interactive request's TTFT is the time of the steps that clear the interactive prefill
-  ahead of it and its own prompt, each step also carrying the running decodes and the batch chunk.
+  ahead of it and its own prompt, each step also carrying the running interactive decodes. Batch work
+  rides in those steps only as far as the scheduler's step-time budget lets it (engine/step_budget.py:
+  none, in a step where an interactive prompt waits or prefills); without the budget, each step carries
+  every running decode and a full batch prefill chunk.
   Its own prompt counts without the leading full blocks the prefix cache already holds (asked of
   the block manager at admission), and it cannot start before a sequence slot is free: with
   `max_num_seqs` interactive sequences running or queued ahead, it waits the decode steps until
@@ -44,7 +47,8 @@ SLOT_HORIZON = 64              # running interactive sequences whose remaining s
 class QueueSnapshot:
     time: float = 0.0
     interactive_prefill: int = 0       # prompt tokens of interactive sequences not yet computed
-    decodes: int = 0                   # running sequences past their prefill
+    decodes: int = 0                   # running sequences past their prefill (both classes)
+    batch_decodes: int = 0             # of those, batch-class ones
     mean_context: float = 0.0
     batch_chunk: int = 0               # batch prefill tokens a step carries (capped by its share)
     interactive_seqs: int = 0          # interactive sequences running or waiting: each holds or claims a slot
@@ -53,7 +57,7 @@ class QueueSnapshot:
 
     @classmethod
     def of(cls, scheduler, budget: int) -> "QueueSnapshot":
-        pending, decodes, ctx, batch_left, inter, left_steps = 0, 0, 0, 0, 0, []
+        pending, decodes, batch_decodes, ctx, batch_left, inter, left_steps = 0, 0, 0, 0, 0, 0, []
         running = set(map(id, scheduler.running))
         for s in list(scheduler.running) + list(scheduler.waiting):
             left = s.num_tokens - s.num_computed_tokens
@@ -63,14 +67,15 @@ class QueueSnapshot:
                     left_steps.append(max(1, s.max_tokens - s.num_output_tokens))
             if id(s) in running and left <= 1:
                 decodes += 1
+                batch_decodes += s.service_class == BATCH
                 ctx += s.num_computed_tokens
             elif s.service_class == BATCH:
                 batch_left += left
             else:
                 pending += left
         cap = budget if scheduler.batch_prefill_share >= 1 else int(budget * scheduler.batch_prefill_share)
-        return cls(time.monotonic(), pending, decodes, ctx / decodes if decodes else 0.0, min(batch_left, cap),
-                   inter, scheduler.max_num_seqs, tuple(sorted(left_steps)[:SLOT_HORIZON]))
+        return cls(time.monotonic(), pending, decodes, batch_decodes, ctx / decodes if decodes else 0.0,
+                   min(batch_left, cap), inter, scheduler.max_num_seqs, tuple(sorted(left_steps)[:SLOT_HORIZON]))
 
     def slot_wait_steps(self) -> int:
         """Decode steps before a new interactive sequence gets a slot under max_num_seqs."""
@@ -91,24 +96,30 @@ def cached_prompt_tokens(block_manager, prompts: list[list[int]], n: int = 1) ->
     return n * sum(len(block_manager.cached_blocks(ids)) * bs for ids in prompts)
 
 
-def predict_ttft(cost, snap: QueueSnapshot, prompt_tokens: int, budget: int, cached_tokens: int = 0) -> float:
+def predict_ttft(cost, snap: QueueSnapshot, prompt_tokens: int, budget: int, cached_tokens: int = 0,
+                 step_budget=None) -> float:
     """Seconds until a prompt queued behind `snap.interactive_prefill` tokens gets its first token.
     `cached_tokens` of the prompt are a prefix-cache hit and cost nothing; the prompt's own prefill
     starts once a sequence slot is free (`slot_wait_steps`), meanwhile the steps carry the decodes
-    and whatever prefill is ahead of it."""
+    and whatever prefill is ahead of it. With the scheduler's `step_budget` (engine/step_budget.py),
+    batch work takes no time in these steps: each is TTFT-critical (the new prompt waits or prefills),
+    and fill then only rides where it is free. Without it, every running decode and a full batch
+    prefill chunk ride in every step."""
     own = max(1, prompt_tokens - cached_tokens) if prompt_tokens else 0
     work = snap.interactive_prefill + own
-    room = max(1, budget - snap.decodes - snap.batch_chunk)
+    decodes = snap.decodes - snap.batch_decodes if step_budget is not None else snap.decodes
+    batch_chunk = 0 if step_budget is not None else snap.batch_chunk
+    room = max(1, budget - decodes - batch_chunk)
     wait = snap.slot_wait_steps()
     total, steps = 0.0, 0
     while work > 0 and steps < MAX_SIMULATED_STEPS:
         startable = work if steps >= wait else work - own     # no slot yet: only the queue ahead runs
         chunk = min(startable, room)
         shape = StepShape()
-        if snap.decodes:
-            shape.add(int(snap.mean_context), 1, snap.decodes)
-        if snap.batch_chunk:
-            shape.add(0, snap.batch_chunk)
+        if decodes:
+            shape.add(int(snap.mean_context), 1, decodes)
+        if batch_chunk:
+            shape.add(0, batch_chunk)
         if chunk:
             shape.add(0, chunk)
         total += cost.step_time(shape)
@@ -119,13 +130,23 @@ def predict_ttft(cost, snap: QueueSnapshot, prompt_tokens: int, budget: int, cac
     return total
 
 
-def predict_tpot(cost, snap: QueueSnapshot) -> float:
-    """A decode step's time with one more running sequence (the batch chunk included)."""
-    shape = StepShape()
-    shape.add(int(snap.mean_context), 1, snap.decodes + 1)
+def predict_tpot(cost, snap: QueueSnapshot, step_budget=None) -> float:
+    """A decode step's time with one more running sequence. Without a step budget, every running decode
+    and the batch chunk are in it; with one, the interactive decodes are, and batch work (its decodes
+    and chunk) only as far as the budget lets it in (StepBudget.bounded_time)."""
+    if step_budget is None:
+        shape = StepShape()
+        shape.add(int(snap.mean_context), 1, snap.decodes + 1)
+        if snap.batch_chunk:
+            shape.add(0, snap.batch_chunk)
+        return cost.step_time(shape)
+    firm, fill = StepShape(), StepShape()
+    firm.add(int(snap.mean_context), 1, snap.decodes - snap.batch_decodes + 1)
+    if snap.batch_decodes:
+        fill.add(int(snap.mean_context), 1, snap.batch_decodes)
     if snap.batch_chunk:
-        shape.add(0, snap.batch_chunk)
-    return cost.step_time(shape)
+        fill.add(0, snap.batch_chunk)
+    return step_budget.bounded_time(cost, firm, fill)
 
 
 class OnlineStepCost:
@@ -136,6 +157,7 @@ class OnlineStepCost:
     def __init__(self, engine, then=None) -> None:
         self.engine, self.then = engine, then      # `then`: an observer that was already set (StepLog)
         self.budget = engine.config.max_num_batched_tokens
+        self.step_budget = engine.scheduler.step_budget     # None with --no-enable-step-time-budget
         self.cost: MeasuredStepCost | None = None
         self.snapshot = QueueSnapshot()
 
@@ -177,14 +199,15 @@ class SloAdmission:
         if cost is None:
             return                                              # not calibrated yet: admit
         snap = self._snapshot()
-        ttft = predict_ttft(cost, snap, prompt_tokens, self.online.budget, cached_tokens)
+        step_budget = getattr(self.online, "step_budget", None)
+        ttft = predict_ttft(cost, snap, prompt_tokens, self.online.budget, cached_tokens, step_budget)
         self.predicted[service_class].append(ttft)
         if service_class == INTERACTIVE:
             why = None
             if self.ttft_s is not None and ttft > self.ttft_s:
                 why = (f"predicted time to first token {ttft * 1e3:.0f} ms exceeds the target of "
                        f"{self.ttft_s * 1e3:.0f} ms", ttft - self.ttft_s)
-            elif self.tpot_s is not None and (tpot := predict_tpot(cost, snap)) > self.tpot_s:
+            elif self.tpot_s is not None and (tpot := predict_tpot(cost, snap, step_budget)) > self.tpot_s:
                 why = (f"predicted time per output token {tpot * 1e3:.0f} ms exceeds the target of "
                        f"{self.tpot_s * 1e3:.0f} ms", tpot * snap.decodes)
             if why is not None:
