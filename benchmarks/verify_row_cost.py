@@ -17,21 +17,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from tokenfab import LLM  # noqa: E402
 from tokenfab.model.attention import AttentionMetadata  # noqa: E402
-
-
-def exclude_kernels(names: list[str]) -> None:
-    """Make these registered linear kernels unsupported in this process, so the table chooses among the
-    rest: the same engine as it ran before a kernel existed (e.g. --exclude-kernel qtile)."""
-    import tokenfab.quant.kernels  # noqa: F401  (registers the quantized kernels)
-    from tokenfab.kernels.linear import get
-    from tokenfab.kernels.tuning import KernelTable
-    for name in names:
-        get(name).supports = lambda layer, name=name: f"excluded by --exclude-kernel {name}"
-    if names:     # rows measured now lack those kernels: keep them out of the cached table
-        KernelTable.save = lambda self: None
+from speculative import exclude_kernels  # noqa: E402
 
 
 def main() -> None:
