@@ -62,6 +62,7 @@ _SIGNATURES = {
     "tf_rope_write_kv": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
     "tf_decode_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F],
     "tf_decode_attention_window": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
+    "tf_paged_decode_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
     "tf_silu_mul": [_P, _P, _I, _I],
     "tf_qgemm": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_kgemm": [_P, _P, _I, _I, _I, _P, _I],
@@ -259,14 +260,16 @@ def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, num_heads: int, num_kv_heads: int, scale: float,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, reference: bool = False) -> torch.Tensor:
     """q: [B, H * D] rows (any row stride, unit inner stride); pools [blocks, bs, KVH, D]. Returns [B, H, D].
-    `window`: attend only to each sequence's last `window` tokens (a sliding-window layer)."""
+    `window`: attend only to each sequence's last `window` tokens (a sliding-window layer).
+    `reference`: the first kernel (tf_decode_attention_window) instead of tf_paged_decode_attention,
+    for benchmarks/decode_attention.py's before/after."""
     B, D, bs = q.shape[0], k_cache.shape[-1], k_cache.shape[1]
     out = torch.empty(B, num_heads, D)
-    _lib.tf_decode_attention_window(out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
-                                    v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-                                    context_lens.data_ptr(), B, num_heads, num_kv_heads, D, bs, scale, window or 0)
+    fn = _lib.tf_decode_attention_window if reference else _lib.tf_paged_decode_attention
+    fn(out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+       block_tables.stride(0), context_lens.data_ptr(), B, num_heads, num_kv_heads, D, bs, scale, window or 0)
     return out
 
 
