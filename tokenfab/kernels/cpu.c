@@ -271,6 +271,9 @@ static inline float tf_softmax_row(float *pg, int64_t L) {
     return 1.f / sum;
 }
 
+#ifndef TF_AHEAD
+#define TF_AHEAD 8          /* rows prefetched ahead */
+#endif
 static inline void tf_prefetch_row(const float *r, int64_t D) {
     for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char *)(r + d), _MM_HINT_T0);
 }
@@ -280,19 +283,14 @@ static inline void tf_prefetch_row(const float *r, int64_t D) {
 /* P V for NG (<= 4) heads, 64 dims from column c: o[g * D + c ..] = inv[g] * sum_j p[g * L + j] V[j]. */
 static inline __attribute__((always_inline)) void tf_pv512(const int NG, float *o, const float *p, int64_t L,
                                                            const float *vb, const int64_t *off, int64_t c,
-                                                           int64_t D, const float *inv) {
+                                                           int64_t D, const float *inv, const float *pv,
+                                                           int64_t pfw) {
     __m512 acc[4][4];
     for (int g = 0; g < NG; g++)
         for (int i = 0; i < 4; i++) acc[g][i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < L; j++) {
         const float *vr = vb + off[j] + c;
-        if (j + 8 < L) {
-            const char *nx = (const char *)(vb + off[j + 8] + c);
-            _mm_prefetch(nx, _MM_HINT_T0);
-            _mm_prefetch(nx + 64, _MM_HINT_T0);
-            _mm_prefetch(nx + 128, _MM_HINT_T0);
-            _mm_prefetch(nx + 192, _MM_HINT_T0);
-        }
+        if (pfw && j + TF_AHEAD < L) tf_prefetch_row(pv + off[j + TF_AHEAD], pfw);
         const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
         const __m512 v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
         for (int g = 0; g < NG; g++) {
@@ -318,12 +316,13 @@ static inline __m256 tf_fold512(__m512 a) {
 /* The G query heads of one kv head against one sequence's rows kb + off[j] / vb + off[j] (D a multiple
  * of 64); o and qg: the G heads, D apart; p: scratch of G * L floats. */
 static void tf_attend_rows64(float *o, const float *qg, int64_t G, const float *kb, const float *vb,
-                             const int64_t *off, int64_t L, int64_t D, float scale, float *p) {
+                             const int64_t *off, int64_t L, int64_t D, float scale, float *p,
+                             const float *pk, const float *pv, int64_t pfw) {
     int64_t j = 0;
     for (; j + 4 <= L; j += 4) {
         const float *k0 = kb + off[j], *k1 = kb + off[j + 1], *k2 = kb + off[j + 2], *k3 = kb + off[j + 3];
-        if (j + 12 <= L)
-            for (int i = 8; i < 12; i++) tf_prefetch_row(kb + off[j + i], D);
+        if (pfw && j + TF_AHEAD + 4 <= L)
+            for (int i = TF_AHEAD; i < TF_AHEAD + 4; i++) tf_prefetch_row(pk + off[j + i], pfw);
         for (int64_t g = 0; g < G; g++) {
             const float *qh = qg + g * D;
 #if defined(__AVX512F__)
@@ -369,10 +368,11 @@ static void tf_attend_rows64(float *o, const float *qg, int64_t G, const float *
         for (int64_t c = 0; c < D; c += 64) {
             float *og = o + g0 * D;
             const float *pg = p + g0 * L;
-            if (n == 4) tf_pv512(4, og, pg, L, vb, off, c, D, inv + g0);
-            else if (n == 3) tf_pv512(3, og, pg, L, vb, off, c, D, inv + g0);
-            else if (n == 2) tf_pv512(2, og, pg, L, vb, off, c, D, inv + g0);
-            else tf_pv512(1, og, pg, L, vb, off, c, D, inv + g0);
+            const int64_t w = g0 == 0 && c == 0 ? pfw : 0;     /* each row prefetched once */
+            if (n == 4) tf_pv512(4, og, pg, L, vb, off, c, D, inv + g0, pv, w);
+            else if (n == 3) tf_pv512(3, og, pg, L, vb, off, c, D, inv + g0, pv, w);
+            else if (n == 2) tf_pv512(2, og, pg, L, vb, off, c, D, inv + g0, pv, w);
+            else tf_pv512(1, og, pg, L, vb, off, c, D, inv + g0, pv, w);
         }
     }
 #else
@@ -385,7 +385,7 @@ static void tf_attend_rows64(float *o, const float *qg, int64_t G, const float *
             for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
             for (j = 0; j < L; j++) {
                 const float *vr = vb + off[j] + c;
-                if (g == 0 && j + 8 < L) tf_prefetch_row(vb + off[j + 8] + c, 64);
+                if (g == 0 && c == 0 && pfw && j + TF_AHEAD < L) tf_prefetch_row(pv + off[j + TF_AHEAD], pfw);
                 const __m256 pj = _mm256_set1_ps(pg[j]);
                 for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * i), acc[i]);
             }
@@ -430,9 +430,15 @@ void tf_paged_decode_attention(float *out, const float *q, int64_t q_stride, con
                     }
                     last_b = b;
                 }
-                for (int64_t kh = kh0; kh < kh0 + per; kh++)
+                /* A whole sequence: its first kv head's pass prefetches whole rows (every kv head's
+                 * K and V, KVH * D floats), so the other heads' passes find them in cache and the
+                 * memory reads are contiguous; one kv head: its own D floats per row. */
+                for (int64_t kh = kh0; kh < kh0 + per; kh++) {
+                    const int whole = per > 1;
                     tf_attend_rows64(out + (b * H + kh * G) * D, q + b * q_stride + kh * G * D, G, k_cache + kh * D,
-                                     v_cache + kh * D, off, L, D, scale, p);
+                                     v_cache + kh * D, off, L, D, scale, p, whole ? k_cache : k_cache + kh * D,
+                                     whole ? v_cache : v_cache + kh * D, whole ? (kh == kh0 ? KVH * D : 0) : D);
+                }
             }
             free(p);
             free(off);
