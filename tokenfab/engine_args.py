@@ -157,6 +157,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                         "steps outgrow the C kernel's 16 rows: --max-num-seqs above 16)")
     g.add_argument("--float-cache-memory-fraction", type=float, default=None, metavar="FRACTION",
                    help=f"auto's share of available memory for them (default: {d.float_cache_memory_fraction})")
+    g.add_argument("--prefill-attention-dtype", choices=("auto", "float32", "bfloat16"), default=None,
+                   help="cpu backend, prefill attention: bfloat16 (AMX / AVX512-BF16, lossy) or float32; auto: "
+                        "bfloat16 from the chunk size where the qkv projection runs the bf16 kernel, on CPUs "
+                        f"with bf16 units (default: {d.prefill_attention_dtype})")
     g.add_argument("--enable-fused-decode", action=argparse.BooleanOptionalAction, default=None,
                    help=f"cpu backend: one C call for the whole stack on small decode steps "
                         f"(default: {'on' if d.enable_fused_decode else 'off'})")

@@ -27,6 +27,7 @@ from tokenfab.engine.sliding_kv import SlidingBlocks, fit_blocks, pool_size, sli
 from tokenfab.engine.threads import ThreadController, free_cores
 from tokenfab.kernels.tuning import select_kernels
 from tokenfab.model.attention import kv_bytes_per_token
+from tokenfab.model.backends import bf16_prefill_rows
 from tokenfab.model.layers import pack_linears, release_float_weights
 from tokenfab.model.loader import LoadedModel, load_model_files
 from tokenfab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -250,7 +251,8 @@ class LLMEngine:
         release_float_weights(model)
         model.set_attention_backend(model.default_backend(
             config.attention_backend, kv_dtype, fused_decode=config.enable_fused_decode,
-            fused_max_tokens=config.fused_decode_max_tokens))
+            fused_max_tokens=config.fused_decode_max_tokens,
+            bf16_prefill_rows=bf16_prefill_rows(model, config.prefill_attention_dtype)))
         r = self.kernel_report
         log.info("kernels: attention %s; linears %s%s", model.attention_backend.name,
                  "; ".join(f"{k} x{r.layers[k]}: {v}" for k, v in r.plans.items()),
