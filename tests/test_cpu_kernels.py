@@ -259,3 +259,37 @@ def test_async_engine_releases_the_loader_threads_pool_before_stepping(monkeypat
 
     asyncio.run(main())
     assert calls == [1]
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_float16_pools_store_rounded_kv_and_attend_like_float32_pools_holding_the_same_values(isa):
+    if isa not in kernels.available_isas():
+        pytest.skip(f"this CPU lacks the {isa} instruction set (it runs {', '.join(kernels.available_isas())})")
+    kernels.set_isa(isa)
+    try:
+        _check_float16_pools()
+    finally:
+        kernels.set_isa(None)
+
+
+def _check_float16_pools():
+    torch.manual_seed(6)
+    H, KVH, D, bs, nblocks, T = 9, 3, 64, 16, 40, 20
+    rope = RotaryEmbedding(D, 10000.0, 512)
+    qkv = torch.randn(T, (H + 2 * KVH) * D) * 3
+    pos, slots = torch.arange(100, 100 + T), torch.randperm(nblocks * bs)[:T]
+    k32, v32 = torch.zeros(nblocks, bs, KVH, D), torch.zeros(nblocks, bs, KVH, D)
+    k16, v16 = k32.half(), v32.half()
+    a, b = qkv.clone(), qkv.clone()
+    kernels.rope_write_kv(a, H, KVH, D, pos, rope.cos, rope.sin_signed, k32, v32, slots)
+    kernels.rope_write_kv(b, H, KVH, D, pos, rope.cos, rope.sin_signed, k16, v16, slots)
+    assert torch.equal(a, b)                                            # q and k rotated alike, in float32
+    assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half())  # stored rounded to nearest
+    kc, vc = torch.randn(nblocks, bs, KVH, D).half(), torch.randn(nblocks, bs, KVH, D).half()
+    lens = torch.tensor([1, 17, 64, 200, 33, 90, 120, 5, 16, 160])      # 10 sequences: whole-sequence tasks too
+    tables = torch.stack([torch.randperm(nblocks)[:13] for _ in lens])
+    q = torch.randn(len(lens), (H + 2 * KVH) * D)[:, :H * D]
+    for window in (None, 50):
+        out = kernels.decode_attention(q, kc, vc, tables, lens, H, KVH, D ** -0.5, window)
+        ref = kernels.decode_attention(q, kc.float(), vc.float(), tables, lens, H, KVH, D ** -0.5, window)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -118,6 +118,8 @@ class CpuBackend(TorchBackend):
         q = qkv[:, :layer.q_size].view(T, layer.h, layer.d)
         k = qkv[:, layer.q_size:layer.q_size + layer.kv_size].view(T, layer.kvh, layer.d)
         v = qkv[:, layer.q_size + layer.kv_size:].view(T, layer.kvh, layer.d)
+        if meta.prefills and kv[0].dtype != qkv.dtype:   # float16 pools: prefills attend to what they hold
+            k, v = k.to(kv[0].dtype).to(qkv.dtype), v.to(kv[1].dtype).to(qkv.dtype)
         return self.cpu_paged.attend(q, k, v, kv[0], kv[1], meta, layer.window)
 
     def run_stack(self, model, x, kv_caches, meta, num_layers=None) -> bool:
@@ -243,7 +245,8 @@ def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head
     elif why:
         raise ValueError(f"attention_backend='cpu' cannot run here: {why}; use 'auto' or 'torch'")
     else:
-        backend = CpuBackend(**dims, c_attention=kv_dtype == torch.float32, fused_decode=fused_decode,
+        c_attention = kv_dtype == torch.float32 or (kv_dtype == torch.float16 and kernels.f16_pools(head_dim) is None)
+        backend = CpuBackend(**dims, c_attention=c_attention, fused_decode=fused_decode,
                              fused_max_tokens=fused_max_tokens, bf16_prefill_rows=bf16_prefill_rows)
     if scale is not None:           # Gemma 3: query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5
         for paged in (backend.paged, getattr(backend, "cpu_paged", None)):
