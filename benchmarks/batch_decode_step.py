@@ -9,6 +9,8 @@ figure comes with the process's CPU time: with --threads 1 that is the fair meas
 
     python benchmarks/batch_decode_step.py                          # 32 and 64 streams, 512-token prefill
     python benchmarks/batch_decode_step.py --streams 64 --profile   # plus a cProfile table
+    python benchmarks/batch_decode_step.py --threads 1 --kv-cache-dtype float16
+    python benchmarks/batch_decode_step.py --threads 1 --prefill-attention-dtype float32
 
 For before/after, run the same command on two checkouts back to back (PYTHONPATH=<checkout>), a few
 times alternately: the 2-core VM is shared, so single figures are noisy.
@@ -80,8 +82,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--threads", type=int, default=None,
                     help="engine threads; with 1, the process CPU time is a fair measure on a shared machine")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (float32 pools) | float16 | int8")
+    ap.add_argument("--prefill-attention-dtype", default="auto", help="auto | float32 | bfloat16")
     args = ap.parse_args()
     kw = {"num_threads": args.threads} if args.threads else {}
+    kw.update(kv_cache_dtype=args.kv_cache_dtype, prefill_attention_dtype=args.prefill_attention_dtype)
     llm = LLM(max_num_seqs=max(args.streams), max_model_len=4096, enable_prefix_caching=False, **kw)
     for n in args.streams:
         dt, cpu = decode_steps(llm, n, args.prompt_len, args.steps, args.profile)
