@@ -1,12 +1,14 @@
-"""What bfloat16 prefill attention costs in quality, on the bundled model: KL against the float model.
+"""What the attention precision options cost in quality, on the bundled model: KL against the float model.
 
 Builds the default engine (native GGUF blocks, the measured kernel table: on a CPU with bf16 units the
 qkv projection runs the lossy bf16 kernel from 9 rows) and runs --windows windows of --tokens tokens of
-the held-out text as one prefill each, with the cpu backend's prefill attention in float32 and in
-bfloat16; both are compared with the float (dequantized, float32 everywhere) model. Prints mean KL,
-top-1 agreement and perplexity for each, and how long the prefills took.
+the held-out text as one prefill each: with the cpu backend's prefill attention in float32, in bfloat16
+(prefill_attention_dtype), and in float32 over float16 KV pools (kv_cache_dtype="float16": a prefill
+attends to the rounded K/V it stores, as every later decode reads them). Each is compared with the
+float (dequantized, float32 everywhere) model. Prints mean KL, top-1 agreement and perplexity for each,
+and how long the prefills took.
 
-    python benchmarks/prefill_attention_kl.py                  # 4 windows of 512 tokens
+    python benchmarks/attention_kl.py                  # 4 windows of 512 tokens
 """
 from __future__ import annotations
 
@@ -42,16 +44,16 @@ def main() -> None:
     paged = model.attention_backend.cpu_paged
     print(f"attention backend: {model.attention_backend.describe()}")
     full_logits(model, windows[0])          # warm-up: first-call allocations and oneDNN primitives
-    for name, rows in (("float32", None), ("bfloat16", 1)):
+    for name, rows, kv in (("float32", None, None), ("bfloat16", 1, None), ("f32, f16 KV", None, torch.float16)):
         paged.bf16_rows = rows
         logits, t = [], time.perf_counter()
         for w in windows:
-            logits.append(full_logits(model, w))
+            logits.append(full_logits(model, w, kv_dtype=kv))
         dt = (time.perf_counter() - t) / len(windows)
         rs, targets = zip(*(next_token_targets(torch.tensor(w)) for w in windows))
         r = compare_logits(torch.cat([b[s] for b, s in zip(refs, rs)]), torch.cat([c[s] for c, s in zip(logits, rs)]),
                            torch.cat(targets))
-        print(f"prefill attention {name:>8}: KL vs float {r.kl_mean:.2e}, top-1 same {r.same_top1_pct:.2f} %, "
+        print(f"attention {name:>11}: KL vs float {r.kl_mean:.2e}, top-1 same {r.same_top1_pct:.2f} %, "
               f"{dt * 1e3:.0f} ms per {args.tokens}-token prefill  ({r})")
 
 
