@@ -252,7 +252,8 @@ class LLMEngine:
         model.set_attention_backend(model.default_backend(
             config.attention_backend, kv_dtype, fused_decode=config.enable_fused_decode,
             fused_max_tokens=config.fused_decode_max_tokens,
-            bf16_prefill_rows=bf16_prefill_rows(model, config.prefill_attention_dtype)))
+            bf16_prefill_rows=bf16_prefill_rows(model, config.prefill_attention_dtype),
+            bf16_prefill_auto=config.prefill_attention_dtype == "auto"))
         r = self.kernel_report
         log.info("kernels: attention %s; linears %s%s", model.attention_backend.name,
                  "; ".join(f"{k} x{r.layers[k]}: {v}" for k, v in r.plans.items()),

@@ -74,11 +74,13 @@ class TorchBackend:
 
 class CpuPagedAttention(TorchPagedAttention):
     """Decodes read the float32 pools in place through tf_decode_attention; prefills use SDPA, in bfloat16
-    for chunks of at least `bf16_rows` tokens (None: never; see bf16_prefill_rows)."""
+    for chunks of at least `bf16_rows` tokens (None: never; see bf16_prefill_rows) while `bf16_now`
+    (CpuBackend sets it per step under "auto": this step's qkv projection ran the bf16 kernel)."""
     bf16_rows: int | None = None
+    bf16_now: bool = True
 
     def _prefill(self, q, k, v, k_cache, v_cache, p, window=None):
-        if self.bf16_rows is None or p.query_len < self.bf16_rows:
+        if self.bf16_rows is None or not self.bf16_now or p.query_len < self.bf16_rows:
             return super()._prefill(q, k, v, k_cache, v_cache, p, window)
         b = torch.bfloat16        # a cached context is gathered and cast to q's dtype by the base class
         return super()._prefill(q.to(b), k.to(b), v.to(b), k_cache, v_cache, p, window).to(q.dtype)
@@ -94,11 +96,14 @@ class CpuBackend(TorchBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, *,
                  c_attention: bool = True, fused_decode: bool = True, fused_max_tokens: int = 16,
-                 bf16_prefill_rows: int | None = None):
+                 bf16_prefill_rows: int | None = None, bf16_prefill_auto: bool = False):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         self.c_attention = c_attention and head_dim <= kernels.MAX_HEAD_DIM
         self.cpu_paged = CpuPagedAttention(num_heads, num_kv_heads, head_dim, block_size)
         self.cpu_paged.bf16_rows = bf16_prefill_rows
+        # auto: bf16 attention only in steps whose qkv projection ran the bf16 kernel (a plan forced
+        # after load, e.g. set_kernel(model, "dequant") in the tests, keeps the step float32)
+        self.bf16_follows_qkv = bf16_prefill_auto and bf16_prefill_rows is not None
         self.fused_decode = fused_decode and self.c_attention
         self.fused_max_tokens = fused_max_tokens
         self._stack: tuple | None = None    # (KV pools' address, rows, ctypes layers, kept tensors) or ()
@@ -120,6 +125,9 @@ class CpuBackend(TorchBackend):
         v = qkv[:, layer.q_size + layer.kv_size:].view(T, layer.kvh, layer.d)
         if meta.prefills and kv[0].dtype != qkv.dtype:   # float16 pools: prefills attend to what they hold
             k, v = k.to(kv[0].dtype).to(qkv.dtype), v.to(kv[1].dtype).to(qkv.dtype)
+        if self.bf16_follows_qkv and meta.prefills:
+            plan = getattr(layer.qkv_proj, "plan", None)
+            self.cpu_paged.bf16_now = plan is not None and plan.kernel_at(T).kernel.name == "bf16"
         return self.cpu_paged.attend(q, k, v, kv[0], kv[1], meta, layer.window)
 
     def run_stack(self, model, x, kv_caches, meta, num_layers=None) -> bool:
@@ -229,7 +237,7 @@ def bf16_prefill_rows(model, setting: str = "auto") -> int | None:
 def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                            device: str, dtype: torch.dtype, kv_dtype: torch.dtype, fused_decode: bool = True,
                            fused_max_tokens: int = 16, scale: float | None = None,
-                           bf16_prefill_rows: int | None = None) -> AttentionBackend:
+                           bf16_prefill_rows: int | None = None, bf16_prefill_auto: bool = False) -> AttentionBackend:
     """The backend `name` ("auto" | "torch" | "cpu") for this model and machine; ValueError saying why
     when "cpu" is asked for where it cannot run."""
     if name not in ATTENTION_BACKENDS:
@@ -247,7 +255,8 @@ def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head
     else:
         c_attention = kv_dtype == torch.float32 or (kv_dtype == torch.float16 and kernels.f16_pools(head_dim) is None)
         backend = CpuBackend(**dims, c_attention=c_attention, fused_decode=fused_decode,
-                             fused_max_tokens=fused_max_tokens, bf16_prefill_rows=bf16_prefill_rows)
+                             fused_max_tokens=fused_max_tokens, bf16_prefill_rows=bf16_prefill_rows,
+                             bf16_prefill_auto=bf16_prefill_auto)
     if scale is not None:           # Gemma 3: query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5
         for paged in (backend.paged, getattr(backend, "cpu_paged", None)):
             if paged is not None:
