@@ -12,6 +12,8 @@
 #   bash benchmarks/vs_anchors.sh [OUT_DIR]
 #   VLLM=0 bash benchmarks/vs_anchors.sh [OUT_DIR]      # llama.cpp and tokenfab only
 #   INT8ACT=1 bash benchmarks/vs_anchors.sh [OUT_DIR]   # also tokenfab --int8-activations
+#   KV16=1 bash benchmarks/vs_anchors.sh [OUT_DIR]      # also tokenfab --kv-cache-dtype float16
+#   LLAMA=0 BASELINE=/tmp/old-checkout bash benchmarks/vs_anchors.sh [OUT_DIR]   # no llama.cpp; old tokenfab first
 #   MODEL=gemma3-270m CONC=32 bash benchmarks/vs_anchors.sh [OUT_DIR]
 #       another GGUF (any name or path `tokenfab serve MODEL` takes) in both llama-server and tokenfab;
 #       vLLM is skipped (its anchor serves SmolLM2 only). THREADS=N runs both servers on N threads (on a
@@ -31,6 +33,7 @@ wait_up() { for _ in $(seq 1200); do curl -sf "http://127.0.0.1:$PORT/health" >/
                                       kill -0 "$PID" 2>/dev/null || { echo "server exited: see $OUT/*.log" >&2; exit 1; }
                                       sleep 0.5; done; exit 1; }
 CONC=(1 ${CONC:-8 32 64})
+add_label() { LABELS=${LABELS:+$LABELS,}$1; }
 load() {  # NAME
   for c in "${CONC[@]}"; do
     n=$([ "$c" = 1 ] && echo 4 || echo "${NREQ:-$((2 * c))}")
@@ -43,21 +46,25 @@ load() {  # NAME
 lscpu | grep -E '^Model name'; grep -m1 -o -E 'avx2|avx512f|avx512_vnni|avx_vnni|avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
 
 MODEL=${MODEL:-}
-if [ -n "$MODEL" ]; then     # the anchor's build and flags, on the model's own file
-  GGUF=$(python3 -c 'import sys; from tokenfab.model.bundled import resolve_model_path as r; print(r(sys.argv[1]))' "$MODEL")
-  "$ANCHORS_DIR/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server" -m "$GGUF" -t "${THREADS:-$(nproc)}" -tb "${THREADS:-$(nproc)}" \
-    -np 32 -c $((32 * 1024)) --host 127.0.0.1 --port "$PORT" >"$OUT/llama-server.log" 2>&1 & PID=$!
-else
-  bash "$ANCHORS/llama-server.sh" serve "$PORT" 32 >"$OUT/llama-server.log" 2>&1 & PID=$!
+RUNS=(); LABELS=
+# LLAMA=0 skips llama.cpp (on a loaded 2-core VM its 32- and 64-stream runs take ~10 minutes)
+if [ "${LLAMA:-1}" != 0 ]; then
+  if [ -n "$MODEL" ]; then     # the anchor's build and flags, on the model's own file
+    GGUF=$(python3 -c 'import sys; from tokenfab.model.bundled import resolve_model_path as r; print(r(sys.argv[1]))' "$MODEL")
+    "$ANCHORS_DIR/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server" -m "$GGUF" -t "${THREADS:-$(nproc)}" -tb "${THREADS:-$(nproc)}" \
+      -np 32 -c $((32 * 1024)) --host 127.0.0.1 --port "$PORT" >"$OUT/llama-server.log" 2>&1 & PID=$!
+  else
+    bash "$ANCHORS/llama-server.sh" serve "$PORT" 32 >"$OUT/llama-server.log" 2>&1 & PID=$!
+  fi
+  wait_up; load llamacpp; kill $PID; wait $PID 2>/dev/null || true
+  RUNS=(llamacpp); LABELS=llama.cpp
 fi
-wait_up; load llamacpp; kill $PID; wait $PID 2>/dev/null || true
 
-RUNS=(llamacpp); LABELS=llama.cpp
 if [ -z "$MODEL" ] && [ "${VLLM:-1}" != 0 ] && [ -x "$ANCHORS_DIR/vllm-venv/bin/python" ]; then
   if [ "${VLLM:-1}" != fp32 ]; then
     bash "$ANCHORS/vllm-cpu.sh" serve "$PORT" >"$OUT/vllm.log" 2>&1 & PID=$!
     wait_up; load vllm; kill $PID; wait $PID 2>/dev/null || true
-    RUNS+=(vllm); LABELS+=,vLLM-bf16
+    RUNS+=(vllm); add_label vLLM-bf16
   fi
   # The anchor serves bf16, which CPUs without bf16 units run slowly; vLLM's float32 is its better
   # setting there, so it is measured too, with the anchor's other flags.
@@ -67,18 +74,33 @@ if [ -z "$MODEL" ] && [ "${VLLM:-1}" != 0 ] && [ -x "$ANCHORS_DIR/vllm-venv/bin/
     --served-model-name smol --host 127.0.0.1 --port "$PORT" --max-model-len 4096 --dtype float32 \
     >"$OUT/vllm-fp32.log" 2>&1 & PID=$!
   wait_up; load vllm-fp32; kill $PID; wait $PID 2>/dev/null || true
-  RUNS+=(vllm-fp32); LABELS+=,vLLM-fp32
+  RUNS+=(vllm-fp32); add_label vLLM-fp32
   fi
 fi
 
+# BASELINE=DIR first serves the tokenfab checkout in DIR (e.g. `git worktree`/`git archive` of an earlier
+# commit) with the same flags: a before/after in one run.
+if [ -n "${BASELINE:-}" ]; then
+  PYTHONPATH="$BASELINE" tokenfab serve ${MODEL:+"$MODEL"} ${THREADS:+--num-threads "$THREADS"} --port "$PORT" --no-access-log \
+    --log-level warning >"$OUT/tokenfab-base.log" 2>&1 & PID=$!
+  wait_up; load tokenfab-base; kill $PID; wait $PID 2>/dev/null || true
+  RUNS+=(tokenfab-base); add_label tokenfab-baseline
+fi
 tokenfab serve ${MODEL:+"$MODEL"} ${THREADS:+--num-threads "$THREADS"} --port "$PORT" --no-access-log --log-level warning >"$OUT/tokenfab.log" 2>&1 & PID=$!
 wait_up; load tokenfab; kill $PID; wait $PID 2>/dev/null || true
-RUNS+=(tokenfab); LABELS+=,tokenfab
+RUNS+=(tokenfab); add_label tokenfab
 # INT8ACT=1 adds a run with llama.cpp's activation scheme (int8 blocks of 32, --int8-activations; opt-in, docs/quant.md).
 if [ "${INT8ACT:-0}" = 1 ]; then
   tokenfab serve ${MODEL:+"$MODEL"} --port "$PORT" --no-access-log --log-level warning --int8-activations >"$OUT/tokenfab-i8.log" 2>&1 & PID=$!
   wait_up; load tokenfab-i8; kill $PID; wait $PID 2>/dev/null || true
-  RUNS+=(tokenfab-i8); LABELS+=,tokenfab-int8act
+  RUNS+=(tokenfab-i8); add_label tokenfab-int8act
+fi
+
+# KV16=1 adds a run with float16 KV pools (--kv-cache-dtype float16: half the bytes decode attention reads; lossy).
+if [ "${KV16:-0}" = 1 ]; then
+  tokenfab serve ${MODEL:+"$MODEL"} --port "$PORT" --no-access-log --log-level warning --kv-cache-dtype float16 >"$OUT/tokenfab-kv16.log" 2>&1 & PID=$!
+  wait_up; load tokenfab-kv16; kill $PID; wait $PID 2>/dev/null || true
+  RUNS+=(tokenfab-kv16); add_label tokenfab-kv16
 fi
 
 for c in "${CONC[@]}" prefill; do

@@ -70,6 +70,36 @@ def test_decode_attention_reads_the_paged_pools_like_gather_then_sdpa(H, KVH):
         torch.testing.assert_close(out[b], ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("B,H,KVH,D,window", [(16, 9, 3, 64, 0), (24, 8, 1, 128, 0), (16, 9, 3, 64, 20),
+                                               (3, 12, 2, 64, 33), (5, 4, 4, 32, 0)])
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_paged_decode_attention_equals_the_first_kernel_for_many_sequences_windows_and_head_groups(
+        B, H, KVH, D, window, isa):
+    if isa not in kernels.available_isas():
+        pytest.skip(f"this CPU lacks the {isa} instruction set (it runs {', '.join(kernels.available_isas())})")
+    kernels.set_isa(isa)        # the AVX2 and AVX-512 builds take different paths (P V per head or 4 at once)
+    try:
+        _check_paged_decode_attention(B, H, KVH, D, window)
+    finally:
+        kernels.set_isa(None)
+
+
+def _check_paged_decode_attention(B, H, KVH, D, window):
+    # B >= 4 x threads runs whole sequences per task; G = H / KVH up to 8 (two passes of 4 heads in P V);
+    # D 32 is not a multiple of 64 (the first kernel's scalar loops); windows cut inside a block
+    torch.manual_seed(4)
+    bs, per_seq = 16, 6
+    nblocks = B * per_seq + 3
+    kc, vc = torch.randn(nblocks, bs, KVH, D), torch.randn(nblocks, bs, KVH, D)
+    lens = torch.randint(1, per_seq * bs + 1, (B,))
+    lens[0] = per_seq * bs
+    tables = torch.randperm(nblocks)[:B * per_seq].view(B, per_seq)
+    q = torch.randn(B, (H + 2 * KVH) * D)[:, :H * D]
+    args = (q, kc, vc, tables, lens, H, KVH, D ** -0.5, window or None)
+    torch.testing.assert_close(kernels.decode_attention(*args), kernels.decode_attention(*args, reference=True),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_a_failed_build_turns_the_kernels_off_and_the_model_still_runs(monkeypatch, tmp_path):
     from tokenfab.model.layers import RMSNorm
     monkeypatch.setenv("TOKENFAB_CACHE", str(tmp_path))
@@ -259,3 +289,37 @@ def test_async_engine_releases_the_loader_threads_pool_before_stepping(monkeypat
 
     asyncio.run(main())
     assert calls == [1]
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_float16_pools_store_rounded_kv_and_attend_like_float32_pools_holding_the_same_values(isa):
+    if isa not in kernels.available_isas():
+        pytest.skip(f"this CPU lacks the {isa} instruction set (it runs {', '.join(kernels.available_isas())})")
+    kernels.set_isa(isa)
+    try:
+        _check_float16_pools()
+    finally:
+        kernels.set_isa(None)
+
+
+def _check_float16_pools():
+    torch.manual_seed(6)
+    H, KVH, D, bs, nblocks, T = 9, 3, 64, 16, 40, 20
+    rope = RotaryEmbedding(D, 10000.0, 512)
+    qkv = torch.randn(T, (H + 2 * KVH) * D) * 3
+    pos, slots = torch.arange(100, 100 + T), torch.randperm(nblocks * bs)[:T]
+    k32, v32 = torch.zeros(nblocks, bs, KVH, D), torch.zeros(nblocks, bs, KVH, D)
+    k16, v16 = k32.half(), v32.half()
+    a, b = qkv.clone(), qkv.clone()
+    kernels.rope_write_kv(a, H, KVH, D, pos, rope.cos, rope.sin_signed, k32, v32, slots)
+    kernels.rope_write_kv(b, H, KVH, D, pos, rope.cos, rope.sin_signed, k16, v16, slots)
+    assert torch.equal(a, b)                                            # q and k rotated alike, in float32
+    assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half())  # stored rounded to nearest
+    kc, vc = torch.randn(nblocks, bs, KVH, D).half(), torch.randn(nblocks, bs, KVH, D).half()
+    lens = torch.tensor([1, 17, 64, 200, 33, 90, 120, 5, 16, 160])      # 10 sequences: whole-sequence tasks too
+    tables = torch.stack([torch.randperm(nblocks)[:13] for _ in lens])
+    q = torch.randn(len(lens), (H + 2 * KVH) * D)[:, :H * D]
+    for window in (None, 50):
+        out = kernels.decode_attention(q, kc, vc, tables, lens, H, KVH, D ** -0.5, window)
+        ref = kernels.decode_attention(q, kc.float(), vc.float(), tables, lens, H, KVH, D ** -0.5, window)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

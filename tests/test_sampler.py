@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from tokenfab.engine.sampler import SampledToken, Sampler, SampleRow, make_generator
+from tokenfab.engine.sampler import SampledToken, Sampler, SampleRow, greedy_ids, make_generator
 from tokenfab.sampling import SamplingParams
 
 EOS = 3
@@ -33,6 +33,16 @@ def test_all_greedy_batch_is_argmax_with_ties_to_lowest_id():
     assert [t.token_id for t in out] == logits.argmax(dim=-1).tolist()
     assert out[2].token_id == 7
     assert all(t.logprob is None and t.top_logprobs is None for t in out)
+
+
+def test_greedy_ids_equal_argmax_on_vocab_wide_rows_full_of_ties():
+    # bf16-rounded logits (what the bf16 LM-head kernel returns) tie often; the vectorized max must
+    # still pick the first of the tied maxima, and a NaN, as argmax does
+    logits = (random_logits(64, 49152, seed=5) * 2).to(torch.bfloat16).float()
+    logits[3, 40000] = logits[3, 123] = logits[3].max() + 1.0
+    logits[5, 77] = float("nan")
+    assert greedy_ids(logits) == logits.argmax(dim=-1).tolist()
+    assert greedy_ids(logits)[3] == 123 and greedy_ids(logits)[5] == 77
 
 
 def test_greedy_rows_stay_argmax_when_batched_with_random_rows():

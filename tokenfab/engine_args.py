@@ -101,8 +101,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    help=f"without --kv-cache-memory, the most bytes the KV pool takes (default: {d.kv_cache_memory_max >> 30}GiB)")
     g.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                    help="exact KV pool size in blocks (overrides --kv-cache-memory)")
-    g.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default=None,
-                   help=f"KV cache element type; auto follows --dtype (default: {d.kv_cache_dtype})")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "int8", "float16"), default=None,
+                   help="KV cache element type; auto follows --dtype; float16 halves what decode attention "
+                        f"reads (many streams; lossy) (default: {d.kv_cache_dtype})")
     # No argparse choices: EngineConfig.validate owns the list and names it when a value is wrong.
     g.add_argument("--quantization", "-q", default=None,
                    help="weights: auto (GGUF blocks as shipped, else float), none (float), gguf, int8, w8a8 "
@@ -159,6 +160,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                         "steps outgrow the C kernel's 16 rows: --max-num-seqs above 16)")
     g.add_argument("--float-cache-memory-fraction", type=float, default=None, metavar="FRACTION",
                    help=f"auto's share of available memory for them (default: {d.float_cache_memory_fraction})")
+    g.add_argument("--prefill-attention-dtype", choices=("auto", "float32", "bfloat16"), default=None,
+                   help="cpu backend, prefill attention: bfloat16 (AMX / AVX512-BF16, lossy) or float32; auto: "
+                        "bfloat16 from the chunk size where the qkv projection runs the bf16 kernel, on CPUs "
+                        f"with bf16 units (default: {d.prefill_attention_dtype})")
     g.add_argument("--enable-fused-decode", action=argparse.BooleanOptionalAction, default=None,
                    help=f"cpu backend: one C call for the whole stack on small decode steps "
                         f"(default: {'on' if d.enable_fused_decode else 'off'})")

@@ -76,13 +76,13 @@ def load_rank(rank: int, size: int, config, path: str, num_blocks: int, max_posi
     from tokenfab.distributed.group import rank_device
     from tokenfab.engine.engine import _DTYPES, LLMEngine
     from tokenfab.engine.runner import ModelRunner
-    from tokenfab.model.attention import kv_bytes_per_token
+    from tokenfab.model.attention import kv_bytes_per_token, kv_cache_torch_dtype
     from tokenfab.model.loader import load_model_files
     from tokenfab.quant.load import build_model
 
     device = device or rank_device(config.device, rank)
     dtype = _DTYPES[config.dtype]
-    kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else dtype
+    kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
     files = load_model_files(path)
     model = build_model(files, dtype, device, config.block_size, max_positions, config.quantization,
                         tp=(rank, size))

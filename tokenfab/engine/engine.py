@@ -26,7 +26,8 @@ from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.engine.sliding_kv import SlidingBlocks, fit_blocks, pool_size, sliding_layer_share
 from tokenfab.engine.threads import ThreadController, free_cores
 from tokenfab.kernels.tuning import select_kernels
-from tokenfab.model.attention import kv_bytes_per_token
+from tokenfab.model.attention import kv_bytes_per_token, kv_cache_torch_dtype
+from tokenfab.model.backends import bf16_prefill_rows
 from tokenfab.model.layers import pack_linears, release_float_weights
 from tokenfab.model.loader import LoadedModel, load_model_files
 from tokenfab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -143,7 +144,7 @@ class LLMEngine:
         max_len = config.max_model_len or mcfg.max_position_embeddings
 
         # int8: values plus a float32 scale per token and head (counted, so int8 holds ~1.9x bf16's tokens)
-        kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
+        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.kv_bytes_per_token = kv_bytes_per_token(mcfg, kv_dtype)
         spec_cfg = draft_files = None
         if config.speculative_config is not None:
@@ -250,7 +251,9 @@ class LLMEngine:
         release_float_weights(model)
         model.set_attention_backend(model.default_backend(
             config.attention_backend, kv_dtype, fused_decode=config.enable_fused_decode,
-            fused_max_tokens=config.fused_decode_max_tokens))
+            fused_max_tokens=config.fused_decode_max_tokens,
+            bf16_prefill_rows=bf16_prefill_rows(model, config.prefill_attention_dtype),
+            bf16_prefill_auto=config.prefill_attention_dtype == "auto"))
         r = self.kernel_report
         log.info("kernels: attention %s; linears %s%s", model.attention_backend.name,
                  "; ".join(f"{k} x{r.layers[k]}: {v}" for k, v in r.plans.items()),

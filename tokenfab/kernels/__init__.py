@@ -62,6 +62,9 @@ _SIGNATURES = {
     "tf_rope_write_kv": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
     "tf_decode_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F],
     "tf_decode_attention_window": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
+    "tf_paged_decode_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
+    "tf_paged_decode_attention_f16": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
+    "tf_rope_write_kv_f16": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
     "tf_silu_mul": [_P, _P, _I, _I],
     "tf_gelu_tanh_mul": [_P, _P, _I, _I],
     "tf_qgemm": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
@@ -244,6 +247,18 @@ def usable(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def f16_pools(head_dim: int) -> str | None:
+    """None when the kernels take float16 KV pools (kv_cache_dtype="float16") for this head size, else why
+    not: they need an AVX2 build (F16C conversions) and a head_dim that is a multiple of 64."""
+    if not enabled():
+        return "tokenfab's C kernels are not built"
+    if "avx2" not in compiled_features():
+        return "the float16 KV kernels need an AVX2 build of tokenfab's C kernels"
+    if head_dim % 64:
+        return f"the float16 KV kernels take head_dim multiples of 64, not {head_dim}"
+    return None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
@@ -255,22 +270,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,
                   cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slots: torch.Tensor) -> None:
-    """qkv [T, (H + 2 KVH) D], contiguous: rotate its q and k in place, store k and v in the pools."""
-    _lib.tf_rope_write_kv(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, head_dim,
+    """qkv [T, (H + 2 KVH) D], contiguous: rotate its q and k in place, store k and v in the pools
+    (float32, or float16: rounded to nearest, see f16_pools)."""
+    fn = _lib.tf_rope_write_kv_f16 if k_cache.dtype == torch.float16 else _lib.tf_rope_write_kv
+    fn(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, head_dim,
                           positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
                           k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr())
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, num_heads: int, num_kv_heads: int, scale: float,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, reference: bool = False) -> torch.Tensor:
     """q: [B, H * D] rows (any row stride, unit inner stride); pools [blocks, bs, KVH, D]. Returns [B, H, D].
-    `window`: attend only to each sequence's last `window` tokens (a sliding-window layer)."""
+    `window`: attend only to each sequence's last `window` tokens (a sliding-window layer).
+    `reference`: the first kernel (tf_decode_attention_window) instead of tf_paged_decode_attention,
+    for benchmarks/decode_attention.py's before/after."""
     B, D, bs = q.shape[0], k_cache.shape[-1], k_cache.shape[1]
     out = torch.empty(B, num_heads, D)
-    _lib.tf_decode_attention_window(out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
-                                    v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-                                    context_lens.data_ptr(), B, num_heads, num_kv_heads, D, bs, scale, window or 0)
+    if k_cache.dtype == torch.float16:
+        fn = _lib.tf_paged_decode_attention_f16
+    else:
+        fn = _lib.tf_decode_attention_window if reference else _lib.tf_paged_decode_attention
+    fn(out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+       block_tables.stride(0), context_lens.data_ptr(), B, num_heads, num_kv_heads, D, bs, scale, window or 0)
     return out
 
 

@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -237,12 +238,301 @@ void tf_decode_attention_window(float *out, const float *q, int64_t q_stride, co
     }
 }
 
+/* tf_paged_decode_attention: tf_decode_attention_window's arithmetic (per query head, softmax(scale
+ * q.K) V over the sequence's first ctx_lens tokens, or its last `window`), rewritten for many and long
+ * sequences, where decode attention reads more bytes than the linears (64 sequences of ~135 tokens read
+ * 400 MB of float32 K/V per step on SmolLM2-135M; the old kernel took ~38 ms of an 81 ms step there):
+ *  - each task locates its token rows once, in an offset table built by walking the block table,
+ *    instead of a division and a modulo per row and query head;
+ *  - AVX-512 builds score the G heads that share a kv head against 4 keys per pass over 64-dim zmm
+ *    rows, and accumulate P V for up to 4 heads at once in registers, reading each V row once instead
+ *    of once per head;
+ *  - rows 8 keys ahead are prefetched (whole rows, every kv head's, when a task takes a whole sequence).
+ * tf_paged_decode_attention_f16 reads float16 pools (kv_cache_dtype="float16": half the bytes, values
+ * widened exactly to float32 as they are loaded; the arithmetic is the same). The old function stays
+ * as the reference the benchmark measures against (benchmarks/decode_attention.py). */
+#if defined(__AVX2__) && defined(__FMA__)
+/* One softmax row in place: p[j] = exp(p[j] - max) for j < L; returns 1 / sum. */
+static inline float tf_softmax_row(float *pg, int64_t L) {
+    float m = -INFINITY, sum;
+    int64_t j;
+    for (j = 0; j < L; j++) m = pg[j] > m ? pg[j] : m;
+    __m256 vsum = _mm256_setzero_ps();
+    const __m256 vm = _mm256_set1_ps(m);
+    for (j = 0; j + 8 <= L; j += 8) {
+        const __m256 e = tf_exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + j), vm));
+        _mm256_storeu_ps(pg + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    sum = tf_hsum(vsum);
+    for (; j < L; j++) {
+        pg[j] = expf(pg[j] - m);
+        sum += pg[j];
+    }
+    return 1.f / sum;
+}
+
+#ifndef TF_AHEAD
+#define TF_AHEAD 8          /* rows prefetched ahead */
+#endif
+/* The cache lines of `bytes` bytes from r. */
+static inline void tf_prefetch_row(const char *r, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(r + i, _MM_HINT_T0);
+}
+
+/* 8 or 16 values at element i of a float32 (half = 0) or float16 (half = 1) row, as float32. */
+static inline __attribute__((always_inline)) __m256 tf_ld8(const char *base, int64_t i, const int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)))
+                : _mm256_loadu_ps((const float *)base + i);
+}
+#endif
+
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) __m512 tf_ld16(const char *base, int64_t i, const int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)))
+                : _mm512_loadu_ps((const float *)base + i);
+}
+
+/* P V for NG (<= 4) heads, 64 dims from column c: o[g * D + c ..] = inv[g] * sum_j p[g * L + j] V[j]. */
+static inline __attribute__((always_inline)) void tf_pv512(const int NG, float *o, const float *p, int64_t L,
+                                                           const char *vb, const int64_t *off, int64_t c,
+                                                           int64_t D, const float *inv, const char *pv,
+                                                           int64_t pfb, const int half) {
+    const int64_t es = half ? 2 : 4;
+    __m512 acc[4][4];
+    for (int g = 0; g < NG; g++)
+        for (int i = 0; i < 4; i++) acc[g][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L; j++) {
+        const char *vr = vb + off[j] * es;
+        if (pfb && j + TF_AHEAD < L) tf_prefetch_row(pv + off[j + TF_AHEAD] * es, pfb);
+        const __m512 v0 = tf_ld16(vr, c, half), v1 = tf_ld16(vr, c + 16, half);
+        const __m512 v2 = tf_ld16(vr, c + 32, half), v3 = tf_ld16(vr, c + 48, half);
+        for (int g = 0; g < NG; g++) {
+            const __m512 pj = _mm512_set1_ps(p[g * L + j]);
+            acc[g][0] = _mm512_fmadd_ps(pj, v0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(pj, v1, acc[g][1]);
+            acc[g][2] = _mm512_fmadd_ps(pj, v2, acc[g][2]);
+            acc[g][3] = _mm512_fmadd_ps(pj, v3, acc[g][3]);
+        }
+    }
+    for (int g = 0; g < NG; g++) {
+        const __m512 vi = _mm512_set1_ps(inv[g]);
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(o + g * D + c + 16 * i, _mm512_mul_ps(acc[g][i], vi));
+    }
+}
+
+static inline __m256 tf_fold512(__m512 a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* The G query heads of one kv head against one sequence's rows at element offsets off[j] of kb / vb (D
+ * a multiple of 64); o and qg: the G heads, D apart; p: scratch of G * L floats. pk / pv and pfb:
+ * prefetch pfb bytes of each row ahead from those bases (0: none). */
+static inline __attribute__((always_inline)) void tf_attend_rows64_t(
+        float *o, const float *qg, int64_t G, const char *kb, const char *vb, const int64_t *off, int64_t L,
+        int64_t D, float scale, float *p, const char *pk, const char *pv, int64_t pfb, const int half) {
+    const int64_t es = half ? 2 : 4;
+    int64_t j = 0;
+    for (; j + 4 <= L; j += 4) {
+        const char *k0 = kb + off[j] * es, *k1 = kb + off[j + 1] * es;
+        const char *k2 = kb + off[j + 2] * es, *k3 = kb + off[j + 3] * es;
+        if (pfb && j + TF_AHEAD + 4 <= L)
+            for (int i = TF_AHEAD; i < TF_AHEAD + 4; i++) tf_prefetch_row(pk + off[j + i] * es, pfb);
+        for (int64_t g = 0; g < G; g++) {
+            const float *qh = qg + g * D;
+#if defined(__AVX512F__)
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m512 qv = _mm512_loadu_ps(qh + d);
+                a0 = _mm512_fmadd_ps(qv, tf_ld16(k0, d, half), a0);
+                a1 = _mm512_fmadd_ps(qv, tf_ld16(k1, d, half), a1);
+                a2 = _mm512_fmadd_ps(qv, tf_ld16(k2, d, half), a2);
+                a3 = _mm512_fmadd_ps(qv, tf_ld16(k3, d, half), a3);
+            }
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(tf_fold512(a0), tf_fold512(a1)),
+                                            _mm256_hadd_ps(tf_fold512(a2), tf_fold512(a3)));
+#else
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qh + d);
+                a0 = _mm256_fmadd_ps(qv, tf_ld8(k0, d, half), a0);
+                a1 = _mm256_fmadd_ps(qv, tf_ld8(k1, d, half), a1);
+                a2 = _mm256_fmadd_ps(qv, tf_ld8(k2, d, half), a2);
+                a3 = _mm256_fmadd_ps(qv, tf_ld8(k3, d, half), a3);
+            }
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+#endif
+            const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            _mm_storeu_ps(p + g * L + j, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+        }
+    }
+    for (; j < L; j++) {
+        const char *kr = kb + off[j] * es;
+        for (int64_t g = 0; g < G; g++) {
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8)
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + g * D + d), tf_ld8(kr, d, half), a);
+            p[g * L + j] = tf_hsum(a) * scale;
+        }
+    }
+    float inv[G];
+    for (int64_t g = 0; g < G; g++) inv[g] = tf_softmax_row(p + g * L, L);
+#if defined(__AVX512F__)
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t n = G - g0 < 4 ? G - g0 : 4;
+        for (int64_t c = 0; c < D; c += 64) {
+            float *og = o + g0 * D;
+            const float *pg = p + g0 * L;
+            const int64_t w = g0 == 0 && c == 0 ? pfb : 0;     /* each row prefetched once */
+            if (n == 4) tf_pv512(4, og, pg, L, vb, off, c, D, inv + g0, pv, w, half);
+            else if (n == 3) tf_pv512(3, og, pg, L, vb, off, c, D, inv + g0, pv, w, half);
+            else if (n == 2) tf_pv512(2, og, pg, L, vb, off, c, D, inv + g0, pv, w, half);
+            else tf_pv512(1, og, pg, L, vb, off, c, D, inv + g0, pv, w, half);
+        }
+    }
+#else
+    for (int64_t g = 0; g < G; g++) {
+        const float *pg = p + g * L;
+        float *og = o + g * D;
+        const __m256 vi = _mm256_set1_ps(inv[g]);
+        for (int64_t c = 0; c < D; c += 64) {
+            __m256 acc[8];
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+            for (j = 0; j < L; j++) {
+                const char *vr = vb + off[j] * es;
+                if (g == 0 && c == 0 && pfb && j + TF_AHEAD < L) tf_prefetch_row(pv + off[j + TF_AHEAD] * es, pfb);
+                const __m256 pj = _mm256_set1_ps(pg[j]);
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(pj, tf_ld8(vr, c + 8 * i, half), acc[i]);
+            }
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(og + c + 8 * i, _mm256_mul_ps(acc[i], vi));
+        }
+    }
+#endif
+}
+
+/* The task loop, for float32 (half = 0) or float16 (half = 1) pools; D a multiple of 64. */
+static inline __attribute__((always_inline)) void tf_paged_attention_t(
+        float *out, const float *q, int64_t q_stride, const char *k_cache, const char *v_cache,
+        const int64_t *block_tables, int64_t bt_stride, const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH,
+        int64_t D, int64_t bs, float scale, int64_t window, const int half) {
+    const int64_t G = H / KVH, es = half ? 2 : 4;
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = window > 0 && ctx_lens[b] > window ? window : ctx_lens[b];
+        max_len = n > max_len ? n : max_len;
+    }
+#pragma omp parallel if (B * KVH >= 2)
+    {
+        float *p = (float *)malloc(sizeof(float) * (size_t)(G * max_len));
+        int64_t *off = (int64_t *)malloc(sizeof(int64_t) * (size_t)max_len);
+        /* Tasks: whole sequences when there are enough of them (a sequence's kv heads interleave in
+         * its rows, so one core reads them all while they are in its cache), else (sequence, kv head). */
+        const int64_t per = B >= 4 * omp_get_num_threads() ? KVH : 1;
+        int64_t last_b = -1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < B * KVH / per; task++) {
+            const int64_t b = task * per / KVH, kh0 = task * per % KVH;
+            const int64_t j0 = window > 0 && ctx_lens[b] > window ? ctx_lens[b] - window : 0;
+            const int64_t L = ctx_lens[b] - j0;
+            if (b != last_b) {          /* a thread's consecutive tasks often share the sequence */
+                const int64_t *bt = block_tables + b * bt_stride;
+                int64_t blk = j0 / bs, t = j0 % bs;
+                for (int64_t j = 0; j < L; j++) {
+                    off[j] = (bt[blk] * bs + t) * KVH * D;
+                    if (++t == bs) t = 0, blk++;
+                }
+                last_b = b;
+            }
+            /* A whole sequence: its first kv head's pass prefetches whole rows (every kv head's K and
+             * V), so the other heads' passes find them in cache and the memory reads are contiguous;
+             * one kv head: its own D values per row. */
+            for (int64_t kh = kh0; kh < kh0 + per; kh++) {
+                const int whole = per > 1;
+                const char *kb = k_cache + kh * D * es, *vb = v_cache + kh * D * es;
+                tf_attend_rows64_t(out + (b * H + kh * G) * D, q + b * q_stride + kh * G * D, G, kb, vb, off, L, D,
+                                   scale, p, whole ? k_cache : kb, whole ? v_cache : vb,
+                                   (whole ? (kh == kh0 ? KVH * D : 0) : D) * es, half);
+            }
+        }
+        free(p);
+        free(off);
+    }
+}
+#endif
+
+void tf_paged_decode_attention(float *out, const float *q, int64_t q_stride, const float *k_cache,
+                               const float *v_cache, const int64_t *block_tables, int64_t bt_stride,
+                               const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                               int64_t bs, float scale, int64_t window) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 64 == 0) {
+        tf_paged_attention_t(out, q, q_stride, (const char *)k_cache, (const char *)v_cache, block_tables, bt_stride,
+                             ctx_lens, B, H, KVH, D, bs, scale, window, 0);
+        return;
+    }
+#endif
+    tf_decode_attention_window(out, q, q_stride, k_cache, v_cache, block_tables, bt_stride, ctx_lens, B, H, KVH, D,
+                               bs, scale, window);
+}
+
+/* Float16 pools: D a multiple of 64 on an AVX2 build (the Python side checks; torch's path otherwise). */
+void tf_paged_decode_attention_f16(float *out, const float *q, int64_t q_stride, const uint16_t *k_cache,
+                                   const uint16_t *v_cache, const int64_t *block_tables, int64_t bt_stride,
+                                   const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                                   int64_t bs, float scale, int64_t window) {
+#if defined(__AVX2__) && defined(__FMA__)
+    tf_paged_attention_t(out, q, q_stride, (const char *)k_cache, (const char *)v_cache, block_tables, bt_stride,
+                         ctx_lens, B, H, KVH, D, bs, scale, window, 1);
+#else
+    (void)out; (void)q; (void)q_stride; (void)k_cache; (void)v_cache; (void)block_tables; (void)bt_stride;
+    (void)ctx_lens; (void)B; (void)H; (void)KVH; (void)D; (void)bs; (void)scale; (void)window;
+    abort();
+#endif
+}
+
+/* tf_rope_write_kv for float16 pools: the same rotation in place (float32), then k and v stored rounded
+ * to nearest float16 (as torch's .to(torch.float16)). */
+void tf_rope_write_kv_f16(float *qkv, int64_t T, int64_t row_stride, int64_t H, int64_t KVH, int64_t D,
+                          const int64_t *positions, const float *cos_t, const float *sin_t,
+                          uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots) {
+#if defined(__AVX2__) && defined(__FMA__)      /* F16C conversions; other builds never get float16 pools */
+    const int64_t half = D / 2, n = KVH * D;
+#pragma omp parallel for if (T >= 8)
+    for (int64_t t = 0; t < T; t++) {
+        float *row = qkv + t * row_stride;
+        const float *c = cos_t + positions[t] * D, *s = sin_t + positions[t] * D;
+        float tmp[512];
+        for (int64_t h = 0; h < H + KVH; h++) {
+            float *x = row + h * D;
+            memcpy(tmp, x, D * sizeof(float));
+            for (int64_t i = 0; i < half; i++) x[i] = tmp[i] * c[i] + tmp[i + half] * s[i];
+            for (int64_t i = half; i < D; i++) x[i] = tmp[i] * c[i] + tmp[i - half] * s[i];
+        }
+        const float *src[2] = {row + H * D, row + (H + KVH) * D};
+        uint16_t *dst[2] = {k_cache + slots[t] * n, v_cache + slots[t] * n};
+        for (int kv = 0; kv < 2; kv++) {
+            int64_t i = 0;
+            for (; i + 8 <= n; i += 8)
+                _mm_storeu_si128((__m128i *)(dst[kv] + i),
+                                 _mm256_cvtps_ph(_mm256_loadu_ps(src[kv] + i), _MM_FROUND_TO_NEAREST_INT));
+            for (; i < n; i++) dst[kv][i] = _cvtss_sh(src[kv][i], _MM_FROUND_TO_NEAREST_INT);
+        }
+    }
+#else
+    (void)qkv; (void)T; (void)row_stride; (void)H; (void)KVH; (void)D; (void)positions; (void)cos_t; (void)sin_t;
+    (void)k_cache; (void)v_cache; (void)slots;
+    abort();
+#endif
+}
+
 void tf_decode_attention(float *out, const float *q, int64_t q_stride, const float *k_cache,
                          const float *v_cache, const int64_t *block_tables, int64_t bt_stride,
                          const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
                          int64_t bs, float scale) {
-    tf_decode_attention_window(out, q, q_stride, k_cache, v_cache, block_tables, bt_stride, ctx_lens, B, H, KVH, D,
-                               bs, scale, 0);
+    tf_paged_decode_attention(out, q, q_stride, k_cache, v_cache, block_tables, bt_stride, ctx_lens, B, H, KVH, D,
+                              bs, scale, 0);
 }
 
 /* out[t] = silu(gate_up[t, :I]) * gate_up[t, I:], the SwiGLU activation of a fused gate/up row. */

@@ -65,6 +65,13 @@ def kv_int8_bytes_per_token(cfg) -> int:
     return cfg.kv_bytes_per_token(1) + 2 * cfg.num_layers * cfg.num_kv_heads * KV_SCALE_BYTES
 
 
+def kv_cache_torch_dtype(setting: str, compute: torch.dtype) -> torch.dtype:
+    """EngineConfig.kv_cache_dtype -> the pools' element type: "auto" the compute dtype, "int8" the int8
+    cache, "float16" half-size pools (the C kernels read them on CPU: half the bytes decode attention
+    reads; values rounded to nearest float16, relative error 2^-11)."""
+    return {"int8": torch.int8, "float16": torch.float16}.get(setting, compute)
+
+
 def kv_bytes_per_token(cfg, kv_dtype: torch.dtype) -> int:
     """What one token costs in the KV pool for a pool element type (torch.int8: the int8 cache)."""
     if kv_dtype == torch.int8:
@@ -97,8 +104,11 @@ class TorchPagedAttention:
         kvh, hd = self.num_kv_heads, self.head_dim
         if isinstance(k_cache, Int8KVCache):
             return self._write_int8(k_cache, k, meta), self._write_int8(v_cache, v, meta)
-        k_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        ks, vs = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        k_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, ks)
+        v_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, vs)
+        if k_cache.dtype != k.dtype:    # a narrower pool (kv_cache_dtype="float16"): attend to what it holds
+            return ks.to(k.dtype), vs.to(v.dtype)
         return k, v
 
     def _write_int8(self, cache: Int8KVCache, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -12,7 +12,9 @@
   in one ctypes call (`tf_decode_layers`): the same kernels in the same order, the same logits,
   without ~10 Python calls per layer. Gemma 3's extra steps (q/k norms, norms on the attention and MLP
   outputs, GeGLU, sliding layers with their own pool and RoPE base) are per-layer fields of its layer
-  table. Prefill attention stays on torch's SDPA. float32 on the CPU only; with the int8 KV cache
+  table. Prefill attention stays on torch's SDPA, in bfloat16 (AMX / AVX512-BF16) from the chunk
+  size where the qkv projection already runs the lossy bf16 kernel (`prefill_attention_dtype`, see
+  bf16_prefill_rows). float32 on the CPU only; with the int8 KV cache
   attention falls back to the torch path (the C norms stay).
 
 "auto" takes cpu where it can run (kernels built, CPU, float32), else torch. Every choice is made here,
@@ -73,7 +75,17 @@ class TorchBackend:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Decodes read the float32 pools in place through tf_decode_attention; prefills use SDPA."""
+    """Decodes read the float32 pools in place through tf_decode_attention; prefills use SDPA, in bfloat16
+    for chunks of at least `bf16_rows` tokens (None: never; see bf16_prefill_rows) while `bf16_now`
+    (CpuBackend sets it per step under "auto": this step's qkv projection ran the bf16 kernel)."""
+    bf16_rows: int | None = None
+    bf16_now: bool = True
+
+    def _prefill(self, q, k, v, k_cache, v_cache, p, window=None):
+        if self.bf16_rows is None or not self.bf16_now or p.query_len < self.bf16_rows:
+            return super()._prefill(q, k, v, k_cache, v_cache, p, window)
+        b = torch.bfloat16        # a cached context is gathered and cast to q's dtype by the base class
+        return super()._prefill(q.to(b), k.to(b), v.to(b), k_cache, v_cache, p, window).to(q.dtype)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         return kernels.decode_attention(q.reshape(q.shape[0], -1), k_cache, v_cache, meta.decode_block_tables,
@@ -85,10 +97,15 @@ class CpuBackend(TorchBackend):
     name = "cpu"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, *,
-                 c_attention: bool = True, fused_decode: bool = True, fused_max_tokens: int = 16):
+                 c_attention: bool = True, fused_decode: bool = True, fused_max_tokens: int = 16,
+                 bf16_prefill_rows: int | None = None, bf16_prefill_auto: bool = False):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         self.c_attention = c_attention and head_dim <= kernels.MAX_HEAD_DIM
         self.cpu_paged = CpuPagedAttention(num_heads, num_kv_heads, head_dim, block_size)
+        self.cpu_paged.bf16_rows = bf16_prefill_rows
+        # auto: bf16 attention only in steps whose qkv projection ran the bf16 kernel (a plan forced
+        # after load, e.g. set_kernel(model, "dequant") in the tests, keeps the step float32)
+        self.bf16_follows_qkv = bf16_prefill_auto and bf16_prefill_rows is not None
         self.fused_decode = fused_decode and self.c_attention
         self.fused_max_tokens = fused_max_tokens
         self._stack: tuple | None = None    # (KV pools' address, rows, ctypes layers, kept tensors) or ()
@@ -108,6 +125,11 @@ class CpuBackend(TorchBackend):
         q = qkv[:, :layer.q_size].view(T, layer.h, layer.d)
         k = qkv[:, layer.q_size:layer.q_size + layer.kv_size].view(T, layer.kvh, layer.d)
         v = qkv[:, layer.q_size + layer.kv_size:].view(T, layer.kvh, layer.d)
+        if meta.prefills and kv[0].dtype != qkv.dtype:   # float16 pools: prefills attend to what they hold
+            k, v = k.to(kv[0].dtype).to(qkv.dtype), v.to(kv[1].dtype).to(qkv.dtype)
+        if self.bf16_follows_qkv and meta.prefills:
+            plan = getattr(layer.qkv_proj, "plan", None)
+            self.cpu_paged.bf16_now = plan is not None and plan.kernel_at(T).kernel.name == "bf16"
         return self.cpu_paged.attend(q, k, v, kv[0], kv[1], meta, layer.window)
 
     def run_stack(self, model, x, kv_caches, meta, num_layers=None) -> bool:
@@ -138,6 +160,9 @@ class CpuBackend(TorchBackend):
         attn = "C decode attention, RoPE+KV write" if self.c_attention else "torch attention (int8 KV)"
         stack = (f"one-call decode stack up to {self.stack_rows} rows" if self.stack_rows
                  else "one-call decode stack " + ("checked at the first decode step" if self._stack is None else "off"))
+        rows = self.cpu_paged.bf16_rows
+        if rows is not None:
+            attn += f"; prefill attention in bfloat16 from {rows} tokens"
         return f"cpu ({attn}, C norms; {stack})" if self.fused_decode else f"cpu ({attn}, C norms)"
 
 
@@ -204,9 +229,33 @@ def _build_stack(model, kv_caches, cap: int) -> tuple | None:
     return kv_caches[0][0].data_ptr(), rows, table, keep
 
 
+def bf16_prefill_rows(model, setting: str = "auto") -> int | None:
+    """From how many tokens a prefill chunk's attention runs in bfloat16 on the cpu backend (None: never).
+
+    "bfloat16": from one token; "float32": never; "auto": where the step is at bf16 precision already,
+    i.e. from the smallest row count at which the first layer's qkv projection runs the lossy "bf16"
+    kernel (bf16 activations in, bf16 results out: V reaches attention already bf16-exact), on a CPU
+    with bf16 units. SDPA over 512 tokens of SmolLM2-135M's heads takes 2.0 ms in bf16 (casts included)
+    against 4.5 ms in float32 (one thread, Sapphire Rapids VM), a third of a 512-token prefill."""
+    if setting == "bfloat16":
+        return 1
+    if setting == "float32" or not kernels.cpu_flags() & {"amx_bf16", "avx512_bf16"}:
+        return None
+    plan = getattr(model.layers[0].self_attn.qkv_proj, "plan", None)
+    lower = 1
+    for c in getattr(plan, "choices", ()):
+        if c.kernel.name == "bf16":
+            return lower
+        if c.max_rows is None:
+            break
+        lower = c.max_rows + 1
+    return None
+
+
 def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                            device: str, dtype: torch.dtype, kv_dtype: torch.dtype, fused_decode: bool = True,
-                           fused_max_tokens: int = 16, scale: float | None = None) -> AttentionBackend:
+                           fused_max_tokens: int = 16, scale: float | None = None,
+                           bf16_prefill_rows: int | None = None, bf16_prefill_auto: bool = False) -> AttentionBackend:
     """The backend `name` ("auto" | "torch" | "cpu") for this model and machine; ValueError saying why
     when "cpu" is asked for where it cannot run."""
     if name not in ATTENTION_BACKENDS:
@@ -222,8 +271,10 @@ def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head
     elif why:
         raise ValueError(f"attention_backend='cpu' cannot run here: {why}; use 'auto' or 'torch'")
     else:
-        backend = CpuBackend(**dims, c_attention=kv_dtype == torch.float32, fused_decode=fused_decode,
-                             fused_max_tokens=fused_max_tokens)
+        c_attention = kv_dtype == torch.float32 or (kv_dtype == torch.float16 and kernels.f16_pools(head_dim) is None)
+        backend = CpuBackend(**dims, c_attention=c_attention, fused_decode=fused_decode,
+                             fused_max_tokens=fused_max_tokens, bf16_prefill_rows=bf16_prefill_rows,
+                             bf16_prefill_auto=bf16_prefill_auto)
     if scale is not None:           # Gemma 3: query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5
         for paged in (backend.paged, getattr(backend, "cpu_paged", None)):
             if paged is not None:

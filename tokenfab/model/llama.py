@@ -207,8 +207,10 @@ class LlamaModel(nn.Module):
 
 
 @torch.inference_mode()
-def full_logits(model: LlamaModel, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """float32 logits at every position of one sequence, [T, vocab], through a throwaway KV cache.
+def full_logits(model: LlamaModel, token_ids: list[int], block_size: int = 16,
+                kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """float32 logits at every position of one sequence, [T, vocab], through a throwaway KV cache
+    (of the model's dtype, or `kv_dtype`: e.g. float16 pools).
 
     For quality evaluation (perplexity, KL against another model), not for serving.
     """
@@ -219,7 +221,7 @@ def full_logits(model: LlamaModel, token_ids: list[int], block_size: int = 16) -
     T = len(token_ids)
     nblocks = -(-T // block_size)
     kv = torch.zeros(cfg.num_layers, 2, nblocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                     dtype=model.embed_tokens.weight.dtype, device=device)
+                     dtype=kv_dtype or model.embed_tokens.weight.dtype, device=device)
     caches = [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)]
     table = torch.arange(nblocks, device=device)
     positions = torch.arange(T, device=device)

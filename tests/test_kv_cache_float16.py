@@ -1,0 +1,36 @@
+"""kv_cache_dtype="float16": half-size KV pools that the cpu backend's C kernels read (decode attention
+is bandwidth-bound at many streams), end to end on the bundled model against float32 pools."""
+import pytest
+import torch
+
+from tokenfab import kernels
+from tokenfab.config import EngineConfig
+
+
+def test_an_unknown_kv_cache_dtype_names_the_choices():
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, int8 or float16"):
+        EngineConfig(kv_cache_dtype="fp8").validate()
+
+
+@pytest.mark.skipif(kernels.f16_pools(64) is not None, reason=f"{kernels.f16_pools(64)}")
+def test_float16_pools_run_on_the_c_kernels_and_stay_close_to_float32_pools(bundled_files):
+    from tokenfab import LLM, SamplingParams
+    prompt = list(range(2000, 2150))        # 150 tokens in chunks of 64: later chunks read the pool
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    runs = {}
+    for kv in ("float16", "auto"):
+        llm = LLM(loaded=bundled_files, max_model_len=512, num_kv_blocks=64, kernel_autotune=False,
+                  max_num_batched_tokens=64, kv_cache_dtype=kv, quantization="none")
+        backend = llm.engine.model.attention_backend
+        assert backend.name == "cpu" and backend.c_attention
+        assert llm.engine.runner.kv.dtype == (torch.float16 if kv == "float16" else torch.float32)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        c = out.outputs[0]
+        runs[kv] = (torch.tensor([next(iter(lp.values())).logprob for lp in out.prompt_logprobs[1:]]),
+                    c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+        assert llm.engine.block_manager.num_used_blocks() == 0
+    (p16, t16, l16), (p32, t32, l32) = runs["float16"], runs["auto"]
+    assert (p16 - p32).abs().max() < 0.05
+    assert t16[0] == t32[0]
+    same = next((i for i, (a, b) in enumerate(zip(t16, t32)) if a != b), len(t16))
+    assert max(abs(a - b) for a, b in zip(l16[:same], l32[:same])) < 0.05
