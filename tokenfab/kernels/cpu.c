@@ -1490,8 +1490,8 @@ void tf_decode_layers(float *x, int64_t M, int64_t hidden, int64_t n_layers, con
             }
         tf_rope_write_kv(wide, M, qkv_n, H, KVH, D, v->positions, v->cos_t, v->sin_t, L->k_cache, L->v_cache,
                          v->slots);
-        tf_decode_attention_window(mid, wide, qkv_n, L->k_cache, L->v_cache, v->block_tables, v->bt_stride,
-                                   v->ctx_lens, M, H, KVH, D, bs, scale, L->window);
+        tf_paged_decode_attention(mid, wide, qkv_n, L->k_cache, L->v_cache, v->block_tables, v->bt_stride,
+                                  v->ctx_lens, M, H, KVH, D, bs, scale, L->window);
         tf_qgemm(y, mid, M, H * D, hidden, L->o.q, L->o.d, L->o.m, L->o.gs, L->o.bits);
         if (L->attn_out_norm) tf_rms_norm(y, y, L->attn_out_norm, M, hidden, eps);
         for (int64_t i = 0; i < M * hidden; i++) x[i] += y[i];
