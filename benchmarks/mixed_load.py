@@ -38,7 +38,11 @@ def bench(url: str, args, out: str, *extra: str) -> dict:
            # one edge between the short and the long prompts: a long prompt of exactly --long-input-len
            # tokens would fall in the first bucket if the edge were that length (buckets hold their edge)
            "--buckets", str((args.input_len + args.long_input_len) // 2), "--out", out, *extra]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=900)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        log = os.path.join(os.path.dirname(out), "serve.log")
+        server = open(log).read()[-3000:] if os.path.exists(log) else ""
+        sys.exit(f"tokenfab bench serve failed ({r.returncode}): {r.stderr.strip()[-2000:]}\nserver log:\n{server}")
     return json.load(open(out))["runs"][0]
 
 

@@ -102,6 +102,16 @@ def test_the_seam_runs_qtile_through_the_layer_and_pads_int4_rows():
     assert float((layer(x) - ref).abs().max() / ref.abs().max()) < 1e-4
 
 
+@pytest.mark.parametrize("reference", [False, True])
+def test_zero_rows_give_an_empty_result(reference):
+    # A step whose only work is a prefill chunk mid-prompt samples no row: the LM head gets 0 rows.
+    # A 0-row tile configuration is a general-protection fault (the server died of it under mixed load).
+    for name, layer in _layers().items():
+        q, d, m, gs, bits = _state(layer)
+        y = kernels.qtile(torch.randn(0, 512), q, d, m, gs, bits, layer.out_features, reference=reference)
+        assert y.shape == (0, layer.out_features), name
+
+
 def test_qtile_says_why_it_cannot_run_a_layer():
     w = torch.randn(40, 64) * 0.05                     # 40 outputs: not whole tiles of 16
     why = seam.get("qtile").supports(Int8Linear.from_float(w))

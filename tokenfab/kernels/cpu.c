@@ -1787,6 +1787,7 @@ __attribute__((target("amx-tile,amx-int8")))
 void tf_qtile(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const float *d,
               const float *m, int64_t gs, int64_t bits) {
 #ifdef TF_QTILE_AMX
+    if (M <= 0) return;       /* a step that samples no row (a prefill chunk mid-prompt): a 0-row tile is a #GP */
     if (!tf_amx_available()) {
         tf_qtile_ref(y, x, M, K, N, q, d, m, gs, bits);
         return;
