@@ -137,7 +137,7 @@ def test_interactive_arrival_preempts_a_running_batch_sequence_for_its_slot_unde
 
 
 def test_fit_is_the_most_tokens_within_the_limit():
-    b = StepBudget(SimpleNamespace(cost=PER_TOKEN), None)
+    b = StepBudget(SimpleNamespace(cost=PER_TOKEN), None, slack=0.2)
     shape = StepShape()
     shape.add(10, 1, 3)                               # 3 decode rows: 3 ms
     assert b.fit(shape, 0, 100, 0.010) == 7

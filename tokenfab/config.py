@@ -40,8 +40,11 @@ class EngineConfig:
     enable_step_time_budget: bool = True     # size them with the online step model so interactive steps stay fast
     step_time_budget_ms: float | None = None  # a step's time limit with them in it; serve --slo-tpot-ms sets it;
                                              # None: relative, (1 + step_time_slack) x the interactive work's time
-    step_time_slack: float = 0.2             # ... fill may make an interactive decode step 20 % slower on average,
-                                             # and a step without interactive work 20 % longer than the mean one
+    step_time_slack: float = 0.05            # ... fill may add 5 % of one decode step to an interactive decode step
+                                             # (plus unused credit), and a step without interactive work may run 5 %
+                                             # longer than the P90 interactive one. 0.2 and 0.1 measured P99 TPOT
+                                             # 1.7x beside a batch job; 0.05 0.95-0.99x with batch at 109-126 % of
+                                             # the idle capacity (benchmarks/mixed_load.py, docs/batch.md)
     step_budget_min_tokens: int = 1          # fill tokens per step over the limit when no interactive prompt
                                              # waits or prefills, so batch work never starves
     seed: int = 0

@@ -59,7 +59,7 @@ RECENT_QUANTILE = 0.9           # ... their 90th percentile: nearly the longest,
 class StepBudget:
     model: object                # has `.cost`: a step-cost model (step_time(StepShape) -> s), or None
     target_s: float | None       # absolute per-step limit; None: relative to the step's firm work
-    slack: float = 0.2           # without a target: fill may add this share of t1 to an interactive step
+    slack: float = 0.05          # without a target: fill may add this share of t1 to an interactive step
     min_tokens: int = 1          # fill tokens a step takes over the limit (see the module docstring)
     clock: Callable[[], float] = time.monotonic     # the arrivals' clock (Sequence.arrival_time)
     credit: float = 0.0          # seconds of slack earlier decode steps left unused (negative: overdrawn)
