@@ -42,6 +42,26 @@ static inline float tf_hsum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+/* One softmax row in place: p[j] = exp(p[j] - max) for j < L; returns 1 / sum. */
+static inline float tf_softmax_row(float *pg, int64_t L) {
+    float m = -INFINITY, sum;
+    int64_t j;
+    for (j = 0; j < L; j++) m = pg[j] > m ? pg[j] : m;
+    __m256 vsum = _mm256_setzero_ps();
+    const __m256 vm = _mm256_set1_ps(m);
+    for (j = 0; j + 8 <= L; j += 8) {
+        const __m256 e = tf_exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + j), vm));
+        _mm256_storeu_ps(pg + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    sum = tf_hsum(vsum);
+    for (; j < L; j++) {
+        pg[j] = expf(pg[j] - m);
+        sum += pg[j];
+    }
+    return 1.f / sum;
+}
 #endif
 
 /* out[t] = w * x[t] / sqrt(mean(x[t]^2) + eps), as Hugging Face's LlamaRMSNorm in float32. */
@@ -129,21 +149,7 @@ static void tf_attend_group64(float *o, const float *qg, int64_t G, const float 
     }
     for (int64_t g = 0; g < G; g++) {
         float *pg = p + g * L, *og = o + g * D;
-        float m = -INFINITY, sum;
-        for (j = 0; j < L; j++) m = pg[j] > m ? pg[j] : m;
-        __m256 vsum = _mm256_setzero_ps();
-        const __m256 vm = _mm256_set1_ps(m);
-        for (j = 0; j + 8 <= L; j += 8) {
-            const __m256 e = tf_exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + j), vm));
-            _mm256_storeu_ps(pg + j, e);
-            vsum = _mm256_add_ps(vsum, e);
-        }
-        sum = tf_hsum(vsum);
-        for (; j < L; j++) {
-            pg[j] = expf(pg[j] - m);
-            sum += pg[j];
-        }
-        const __m256 vi = _mm256_set1_ps(1.f / sum);
+        const __m256 vi = _mm256_set1_ps(tf_softmax_row(pg, L));
         for (int64_t c = 0; c < D; c += 64) {
             __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
             for (j = 0; j < L; j++) {
@@ -252,25 +258,6 @@ void tf_decode_attention_window(float *out, const float *q, int64_t q_stride, co
  * widened exactly to float32 as they are loaded; the arithmetic is the same). The old function stays
  * as the reference the benchmark measures against (benchmarks/decode_attention.py). */
 #if defined(__AVX2__) && defined(__FMA__)
-/* One softmax row in place: p[j] = exp(p[j] - max) for j < L; returns 1 / sum. */
-static inline float tf_softmax_row(float *pg, int64_t L) {
-    float m = -INFINITY, sum;
-    int64_t j;
-    for (j = 0; j < L; j++) m = pg[j] > m ? pg[j] : m;
-    __m256 vsum = _mm256_setzero_ps();
-    const __m256 vm = _mm256_set1_ps(m);
-    for (j = 0; j + 8 <= L; j += 8) {
-        const __m256 e = tf_exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + j), vm));
-        _mm256_storeu_ps(pg + j, e);
-        vsum = _mm256_add_ps(vsum, e);
-    }
-    sum = tf_hsum(vsum);
-    for (; j < L; j++) {
-        pg[j] = expf(pg[j] - m);
-        sum += pg[j];
-    }
-    return 1.f / sum;
-}
 
 #ifndef TF_AHEAD
 #define TF_AHEAD 8          /* rows prefetched ahead */
