@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from tokenfab import kernels
 from tokenfab.kernels import linear as seam
 from tokenfab.kernels.tuning import KernelTable, select_kernels
-from tokenfab.quant.linear import Int4Linear, Int8Linear, Q8_0Linear
+from tests.test_qdot_kernels import _layers as qdot_layers
+from tokenfab.quant.linear import Int4Linear, Int8Linear
 
 ROWS = (1, 2, 3, 5, 8, 9, 12, 16, 17, 40)
 QMAX = 32639.0                 # tf_qtile's int16 range: q = 256 hi + lo with hi, lo both int8
@@ -26,15 +27,8 @@ def _needs_amx():
 
 
 def _layers():
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(96, 512, generator=g) * 0.05
-    return {
-        "int4-g32": Int4Linear.from_float(w, group_size=32),
-        "int4-g128": Int4Linear.from_float(w, group_size=128),
-        "int8": Int8Linear.from_float(w),
-        "q8_0": Q8_0Linear(torch.randint(-128, 128, (96, 512), generator=g, dtype=torch.int8),
-                           torch.rand(96, 16, generator=g) * 1e-3),
-    }
+    """The qdot tests' random layers, in the formats qtile takes (the same weights and seeds)."""
+    return {k: v for k, v in qdot_layers().items() if k in ("int4-g32", "int4-g128", "int8", "q8_0")}
 
 
 def _state(layer):

@@ -296,22 +296,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] -> silu(first half) * second half, [T, I]."""
+def _glu(fn, gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     T, I2 = gate_up.shape
     out = torch.empty(T, I2 // 2)
-    _lib.tf_silu_mul(out.data_ptr(), gate_up.data_ptr(), T, I2 // 2)
+    fn(out.data_ptr(), gate_up.data_ptr(), T, I2 // 2)
     return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> silu(first half) * second half, [T, I]."""
+    return _glu(_lib.tf_silu_mul, gate_up)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> gelu_tanh(first half) * second half, [T, I] (GeGLU; a few ulp from torch's gelu)."""
-    gate_up = gate_up.contiguous()
-    T, I2 = gate_up.shape
-    out = torch.empty(T, I2 // 2)
-    _lib.tf_gelu_tanh_mul(out.data_ptr(), gate_up.data_ptr(), T, I2 // 2)
-    return out
+    return _glu(_lib.tf_gelu_tanh_mul, gate_up)
 
 
 def qgemm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group_size: int, bits: int,
