@@ -41,3 +41,21 @@ def test_few_free_cores_with_slow_steps_lower_threads_even_before_patience_runs_
 def test_free_cores_reads_a_number_or_none():
     n = free_cores()
     assert n is None or n >= 0
+
+
+def test_a_drop_that_does_not_speed_steps_up_is_undone_and_held_off():
+    set_to = []
+    ctl = ThreadController(2, patience=3, probe_every=10, set_threads=set_to.append)
+    _run(ctl, {2: 0.010}, 20)
+    # Contended, but one thread (two thirds of a core) is no faster than two half-cores.
+    seen = _run(ctl, {2: 0.030, 1: 0.032}, 60)
+    assert ctl.reductions >= 1 and ctl.reverts == ctl.reductions     # every trial of one thread undone
+    assert seen.count(1) <= 3 * ctl.reductions                       # each trial lasts `patience` steps
+    assert ctl.reductions <= 60 // 10 + 1                             # and a revert holds off the next one
+
+
+def test_a_drop_that_helps_is_kept():
+    ctl = ThreadController(2, patience=3, probe_every=100, set_threads=lambda n: None)
+    _run(ctl, {2: 0.010}, 20)
+    seen = _run(ctl, {2: 0.030, 1: 0.020}, 30)
+    assert ctl.reductions == 1 and ctl.reverts == 0 and seen[-1] == 1

@@ -8,9 +8,13 @@ server, and `tokenfab generate` from 59.6 to 7.7 tok/s, while `--num-threads 1` 
 `ThreadController` watches each step's time against the running median of quiet steps of the same
 size (token count, in powers of two). `patience` steps in a row slower than `slow_factor` x that
 median, or fewer free cores than threads (/proc/stat's running tasks against our affinity mask),
-mean contention: it drops one thread. While lowered it probes one thread more every `probe_every`
-steps and keeps it when the probe step is no longer slow, so the count comes back when the
-contention ends. It only ever calls `set_threads`; the engine calls `observe` once per step.
+mean contention: it drops one thread. Fewer threads do not always help (with passive OpenMP waits
+two half-cores can still beat one two-thirds core), so the drop is a trial: the next `patience`
+steps' slowdown against the quiet median is compared with the slowdown that caused it, and unless
+the lower count is at least `min_gain` better the thread comes back and the count is held for
+`probe_every` steps. While lowered it probes one thread more every `probe_every` steps and keeps
+it when the probe step is no longer slow, so the count comes back when the contention ends. It
+only ever calls `set_threads`; the engine calls `observe` once per step.
 """
 from __future__ import annotations
 
@@ -39,11 +43,12 @@ def free_cores() -> int | None:
 
 class ThreadController:
     def __init__(self, max_threads: int, *, slow_factor: float = 2.5, patience: int = 3, window: int = 31,
-                 probe_every: int = 64, min_samples: int = 8,
+                 probe_every: int = 64, min_samples: int = 8, min_gain: float = 0.1,
                  set_threads: Callable[[int], None] = torch.set_num_threads,
                  cores_free: Callable[[], int | None] | None = None):
         self.max_threads = self.threads = max(1, max_threads)
         self.slow_factor, self.patience, self.probe_every, self.min_samples = slow_factor, patience, probe_every, min_samples
+        self.min_gain = min_gain
         self._set = set_threads
         self._cores_free = cores_free
         self._quiet: dict[int, deque[float]] = {}      # size bucket -> recent quiet step times at max threads
@@ -51,7 +56,12 @@ class ThreadController:
         self._slow_run = 0
         self._since_change = 0
         self._probing = False
+        self._slow_ratios: deque[float] = deque(maxlen=max(1, patience))   # slowdowns of the current slow run
+        self._trial: list[float] | None = None         # slowdowns since a drop, while judging it
+        self._before = 0.0                             # the slowdown that caused the drop
+        self._hold = 0                                 # steps left before another drop may be tried
         self.reductions = 0                            # how often contention lowered the count (for logs/tests)
+        self.reverts = 0                               # drops undone because fewer threads were no faster
 
     @staticmethod
     def bucket(num_tokens: int) -> int:
@@ -65,8 +75,20 @@ class ThreadController:
         """One step's size and wall time; returns the thread count for the next step."""
         b = self.bucket(num_tokens)
         base = self._baseline(b)
-        slow = base is not None and seconds > self.slow_factor * base
+        ratio = seconds / base if base is not None else None
+        slow = ratio is not None and ratio > self.slow_factor
         self._since_change += 1
+        self._hold = max(0, self._hold - 1)
+        if self._trial is not None:                # judging a drop: is the lower count faster?
+            if ratio is not None:
+                self._trial.append(ratio)
+            if len(self._trial) >= self.patience:
+                if statistics.median(self._trial) > (1 - self.min_gain) * self._before:
+                    self._change(self.threads + 1)  # no better: take the thread back, and keep it a while
+                    self._hold = self.probe_every
+                    self.reverts += 1
+                self._trial = None
+            return self.threads
         if self._probing:                          # the step just run had one thread more than before
             self._probing = False
             if slow:
@@ -75,12 +97,16 @@ class ThreadController:
         if self.threads == self.max_threads and not slow:
             self._quiet.setdefault(b, deque(maxlen=self._window)).append(seconds)
         self._slow_run = self._slow_run + 1 if slow else 0
+        if slow:
+            self._slow_ratios.append(ratio)
         crowded = False
         if self._cores_free is not None and self.threads > 1 and self._since_change >= self.patience:
             free = self._cores_free()
             crowded = free is not None and free < self.threads - 1 and slow
-        if (self._slow_run >= self.patience or crowded) and self.threads > 1:
+        if (self._slow_run >= self.patience or crowded) and self.threads > 1 and self._hold == 0:
+            self._before = statistics.median(self._slow_ratios)
             self._change(self.threads - 1)
+            self._trial = []
             self.reductions += 1
         elif self.threads < self.max_threads and self._since_change >= self.probe_every:
             free = self._cores_free() if self._cores_free is not None else None
@@ -93,4 +119,5 @@ class ThreadController:
         self.threads = max(1, min(self.max_threads, n))
         self._set(self.threads)
         self._slow_run = 0
+        self._slow_ratios.clear()
         self._since_change = 0
