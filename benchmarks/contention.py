@@ -5,6 +5,10 @@ quiet figure measured in the same run, with the adaptive thread count on and off
     python benchmarks/contention.py --busy 1 --tokens 128
     python benchmarks/contention.py --url http://127.0.0.1:8080   # any OpenAI-compatible server, e.g. llama-server
 
+It also prints the fair-share ceiling: with B busy processes and T engine threads on C cores, a fair
+scheduler gives each runnable thread at most C/(B+T) of a core, so no thread count can beat
+max over T of (quiet tok/s at T threads) x min(1, C/(B+T)), even with perfect gang scheduling.
+
 The busy processes are plain Python loops (one core each), like the two `yes > /dev/null` of issue 12.
 `--url` measures a running server the same way (one non-streamed completion at a time, `ignore_eos`),
 so llama.cpp's `llama-server` and `tokenfab serve` are compared with the same loops beside them. On a machine other people
@@ -87,6 +91,23 @@ def measure_server(args) -> None:
     print("command: python benchmarks/contention.py " + " ".join(sys.argv[1:]))
 
 
+def print_ceiling(files, args, quiet_full: float) -> None:
+    """Quiet tok/s at each thread count, and the best a fair share of the cores allows beside the busy loops."""
+    cores, full = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    llm = LLM(loaded=files, max_model_len=512, max_num_seqs=4, adaptive_threads=False)
+    print(f"{'threads':>8} {'quiet tok/s':>12} {'fair share':>11} {'ceiling/quiet':>14}")
+    best = 0.0
+    for t in range(1, full + 1):
+        torch.set_num_threads(t)
+        tok_per_s(llm, 8, 1)
+        q = tok_per_s(llm, args.tokens, args.repeats)
+        share = min(1.0, cores / (args.busy + t))
+        best = max(best, q * share / quiet_full)
+        print(f"{t:8d} {q:12.1f} {share:11.2f} {q * share / quiet_full:14.2f}")
+    torch.set_num_threads(full)
+    print(f"fair-share ceiling of busy/quiet with {args.busy} busy processes on {cores} cores: {best:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--busy", type=int, default=2, help="busy processes beside the engine (default 2)")
@@ -117,6 +138,7 @@ def main() -> None:
     print(f"{'adaptive threads':>17} {'quiet tok/s':>12} {'busy tok/s':>11} {'busy/quiet':>11} {'threads':>8} {'lowered':>8}")
     for adaptive, quiet, busy, threads, red in rows:
         print(f"{'on' if adaptive else 'off':>17} {quiet:12.1f} {busy:11.1f} {busy / quiet:11.2f} {threads:8d} {red:8d}")
+    print_ceiling(files, args, rows[-1][1])
     print("command: python benchmarks/contention.py " + " ".join(sys.argv[1:]))
 
 
