@@ -408,6 +408,8 @@ class LLMEngine:
         outputs = [self._request_output(rid) for rid in touched]
         t_end = time.perf_counter()
         self.step_cost.observe(shapes, t_end - t_start)
+        if self.spec is not None and num_tokens == num_rows:   # decode rows only: the policy's measured costs
+            self.spec.observe_step(len(step.sampling_seqs), num_rows - len(step.sampling_seqs), t_end - t_start)
         if self.step_observer is not None:
             self.step_observer(shapes, t_start, t_end, self.has_unfinished_requests())
         return outputs

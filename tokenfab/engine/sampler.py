@@ -49,7 +49,8 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return g
 
 
-def _plain_greedy(p: SamplingParams, num_output: int) -> bool:
+def plain_greedy(p: SamplingParams, num_output: int) -> bool:
+    """Whether a row's token is just the argmax of its raw logits (no masks, bias, penalties or logprobs)."""
     return (p.temperature < 1e-5 and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and num_output >= p.min_tokens)
 
@@ -74,7 +75,7 @@ class Sampler:
             logits = logits[:, : self.vocab_size]
         if token_bitmask is not None:  # grammar first: every later filter and the logprobs see only allowed tokens
             logits = apply_token_bitmask(logits, *token_bitmask, self.eos_token_ids)
-        if all(_plain_greedy(r.params, len(r.output_token_ids)) for r in rows):
+        if all(plain_greedy(r.params, len(r.output_token_ids)) for r in rows):
             return [SampledToken(t, None, None) for t in greedy_ids(logits)]
 
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]

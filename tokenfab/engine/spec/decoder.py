@@ -11,7 +11,8 @@ Each step, around the engine's own schedule -> run -> sample -> postprocess:
    `_append_token` (so stop strings, stop_token_ids, EOS, max_tokens and min_tokens hold exactly),
    mark the accepted drafts' K/V as computed, register the blocks now fully accepted in the prefix
    cache, and free the blocks beyond what the sequence needs. Rejected drafts' slots are simply
-   overwritten later.
+   overwritten later. A shadow draft (policy.py) is checked against the first token here.
+4. `observe_step(...)`, after a decode-only step: its wall time, for the policy's measured costs.
 """
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenfab.engine.sampler import SampledToken, Sampler, SampleRow
+from tokenfab.engine.sampler import SampledToken, Sampler, SampleRow, plain_greedy
 from tokenfab.engine.spec.config import SpeculativeConfig
 from tokenfab.engine.spec.ngram import NgramProposer
-from tokenfab.engine.spec.policy import ROW_COST, AdaptivePolicy, SeqSpecState, row_cost_of
+from tokenfab.engine.spec.policy import ROW_COST, AdaptivePolicy, row_cost_of
 from tokenfab.engine.spec.verify import accept_greedy, accept_sampled, target_probs
 from tokenfab.engine.structured import apply_token_bitmask, valid_draft_prefix
 
@@ -70,24 +71,31 @@ class SpecDecoder:
         decoding = []
         for seq in running:
             seq.spec_tokens = []
+            if seq.spec_state is not None:
+                seq.spec_state.shadow = None
             if seq.num_tokens - seq.num_computed_tokens == 1:
                 decoding.append(seq)
         if not self.policy.step_allows(len(decoding)):
             return
         seqs, ks = [], []
         room = self.config.max_step_rows - len(decoding)      # draft rows this step may add
+        cost = self.policy.cost(len(decoding))
+        batched = hasattr(self.proposer, "propose_batch")
         for seq in decoding:
             if not seq.params.speculative:
                 continue
             if seq.spec_state is None:
-                seq.spec_state = SeqSpecState()
+                seq.spec_state = self.policy.new_state()
             # Never draft past what the sequence may still emit: the target adds one token of its own.
             left = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-            k = min(self.policy.k_for(seq.spec_state, self.step_index), left)
+            k = min(self.policy.k_for(seq.spec_state, self.step_index, cost), left)
             if k > 0:
                 seqs.append(seq)
                 ks.append(k)
-        if hasattr(self.proposer, "propose_batch"):      # a model-based proposer drafts all at once
+            elif self.policy.shadows and not batched and left > 0:   # free to watch: what would it have drafted?
+                shadow = self.proposer.propose(seq.token_ids, 1)
+                seq.spec_state.shadow = shadow[0] if shadow else None
+        if batched:                                      # a model-based proposer drafts all at once
             for i, k in enumerate(ks):
                 ks[i] = max(0, min(k, room))
                 room -= ks[i]
@@ -152,6 +160,10 @@ class SpecDecoder:
         if mask is not None:   # grammar first, as in the sampler: filters, acceptance and logprobs see only allowed tokens
             x = apply_token_bitmask(x, *mask, sampler.eos_token_ids)
         out = seq.output_token_ids
+        if mask is None and plain_greedy(p, len(out)):   # nothing to process: the argmax of the raw rows
+            accepted, nxt = accept_greedy(x, drafts)
+            self._count(seq, len(drafts), len(accepted))
+            return [SampledToken(t, None, None) for t in accepted + [nxt]]
         # Row i is scored as if d_1..d_i were already output: penalties and min_tokens see them.
         rows = [SampleRow(p, seq.prompt_token_ids, out + drafts[:i], seq.generator) for i in range(len(drafts) + 1)]
         processed = sampler.process_logits(x, rows)
@@ -184,6 +196,10 @@ class SpecDecoder:
         finish. Before this, `seq.num_computed_tokens` counts the context up to the drafts."""
         had_drafts = bool(seq.spec_tokens)
         seq.spec_tokens = []
+        st = seq.spec_state
+        if st is not None and st.shadow is not None:      # a shadow draft: would it have been accepted?
+            self.policy.observe(st, 1, int(tokens[0].token_id == st.shadow), self.step_index)
+            st.shadow = None
         for j, tok in enumerate(tokens):
             append(seq, tok)
             if seq.status.finished:          # its blocks are freed already
@@ -195,6 +211,11 @@ class SpecDecoder:
         if had_drafts:
             block_manager.cache_full_blocks(seq)
             block_manager.trim(seq, seq.num_tokens)
+
+    # -- 4. measure --------------------------------------------------------------------------------
+    def observe_step(self, num_seqs: int, draft_rows: int, seconds: float) -> None:
+        """A decode-only step (each of num_seqs sequences one row plus its drafts) and its wall time."""
+        self.policy.observe_step(num_seqs, draft_rows, seconds)
 
 
 def _num_params(model) -> int:

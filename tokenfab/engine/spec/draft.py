@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenfab.engine.sampler import greedy_ids
 from tokenfab.model.attention import AttentionMetadata, PrefillChunk, kv_bytes_per_token
 
 
@@ -141,7 +142,7 @@ class DraftModelProposer:
                                  prefills=prefills, positions=positions)
         logits = self.model(torch.tensor(ids, dtype=torch.long, device=dev), positions, self.runner.kv_caches, meta,
                             torch.tensor(logit_rows, dtype=torch.long, device=dev))
-        return logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+        return greedy_ids(logits[:, : self.vocab_size])
 
     def observe(self, seq) -> None:
         """After verification and commit: the draft's K/V is valid only as far as the target's."""

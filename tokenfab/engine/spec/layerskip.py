@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenfab.engine.sampler import greedy_ids
 from tokenfab.model.attention import AttentionMetadata
 
 
@@ -55,7 +56,7 @@ class LayerSkipProposer:
             ids = torch.tensor([last[i] for i in rows], dtype=torch.long, device=dev)
             logits = self.model(ids, positions, self.runner.kv_caches, meta,
                                 torch.arange(len(rows), device=dev), num_layers=self.num_layers)
-            for i, t in zip(rows, logits[:, : self.vocab_size].argmax(dim=-1).tolist()):
+            for i, t in zip(rows, greedy_ids(logits[:, : self.vocab_size])):
                 drafts[i].append(t)
                 last[i] = t
         return drafts

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenfab.engine.sampler import greedy_ids
 from tokenfab.sampling import SamplingParams
 
 
@@ -58,7 +59,7 @@ def uniform(generator: torch.Generator | None, device) -> float:
 
 def accept_greedy(processed: torch.Tensor, drafts: list[int]) -> tuple[list[int], int]:
     """(accepted drafts, the target's own next token). `processed`: [k + 1, vocab] logits."""
-    best = processed.argmax(dim=-1).tolist()
+    best = greedy_ids(processed)
     n = 0
     while n < len(drafts) and drafts[n] == best[n]:
         n += 1
