@@ -16,10 +16,12 @@ built between them at 188.7 ms), which is what the earlier "9 % slower plain ste
     python benchmarks/speculative.py                                   # ngram, k=4
     python benchmarks/speculative.py --k 8 --tokens 128 --rounds 2
     python benchmarks/speculative.py --spec '{"method": "ngram", "num_speculative_tokens": 4, "max_batch_size": 64}'
+    python benchmarks/speculative.py --batch-only --staggered --rounds 4    # a batch with a tail
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -75,6 +77,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2, help="prompts per workload, single stream (default 2, max 4)")
     ap.add_argument("--batch-only", action="store_true", help="only the --streams case")
     ap.add_argument("--streams", type=int, default=8, help="concurrent requests in the batched case (default 8)")
+    ap.add_argument("--staggered", action="store_true",
+                    help="batched case: request i of N asks for tokens x (i + 1) / N tokens, so the batch shrinks one "
+                         "sequence at a time and its second half runs with at most N / 2 sequences (a tail)")
     ap.add_argument("--rounds", type=int, default=1, help="passes over the prompts (default 1)")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
@@ -134,6 +139,9 @@ def main() -> None:
                     pair = (("plain", plain, plain_params), ("spec", spec, params))
                     for name, llm, p in pair[::-1] if order[0] else pair:
                         running[0] = name
+                        if streams > 1 and args.staggered:
+                            p = [dataclasses.replace(p, max_tokens=max(1, args.tokens * (i + 1) // streams))
+                                 for i in range(len(g))]
                         dt, toks = timed(llm, g, p)
                         t[name] += dt
                         n[name] += toks
@@ -144,14 +152,14 @@ def main() -> None:
             row = dict(workload=workload, streams=streams, plain_tok_s=n["plain"] / t["plain"],
                        spec_tok_s=n["spec"] / t["spec"], tokens=n["spec"],
                        acceptance=accepted / drafted if drafted else None,
-                       mean_accepted_len=1 + accepted / rounds if rounds else None)
+                       mean_accepted_len=1 + accepted / rounds if rounds else None, rounds=rounds)
             row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
             results.append(row)
             acc = f"{row['acceptance']:.2f}" if row["acceptance"] is not None else "-"
             mal = f"{row['mean_accepted_len']:.2f}" if row["mean_accepted_len"] is not None else "-"
             print(f"{workload:11s} streams={streams:2d}  plain {row['plain_tok_s']:6.1f} tok/s  "
                   f"spec {row['spec_tok_s']:6.1f} tok/s  x{row['speedup']:.2f}  acceptance {acc}  "
-                  f"mean accepted length {mal}  ({n['spec']} tokens)", flush=True)
+                  f"mean accepted length {mal}  ({n['spec']} tokens, {rounds} verification rounds)", flush=True)
     print("median step time (ms) by engine, sequences in the step, kind:")
     for key in sorted(step_ms):
         v = sorted(step_ms[key])
@@ -160,7 +168,7 @@ def main() -> None:
     print("policy's draft-row cost c(n) (measured; prior " + f"{pol.prior_cost:.2f}): " +
           "  ".join(f"n={k}: {pol.cost(k):.3f}" for k in (1, 2, 4)) + f"  engine-wide acceptance {pol.rate:.2f}")
     print(f"speculative_config={json.dumps(spec_cfg)}  quantization={args.quantization}  "
-          f"max_tokens={args.tokens}  rounds={args.rounds}  baseline={args.baseline}")
+          f"max_tokens={args.tokens}  rounds={args.rounds}  baseline={args.baseline}  staggered={args.staggered}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"speculative_config": spec_cfg, "results": results,

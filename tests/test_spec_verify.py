@@ -5,7 +5,10 @@ import random
 import pytest
 import torch
 
+from tokenfab.engine.sampler import SampledToken
+from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.engine.spec.config import SpeculativeConfig
+from tokenfab.engine.spec.decoder import SpecDecoder
 from tokenfab.engine.spec.ngram import NgramProposer
 from tokenfab.engine.spec.policy import (BACKOFF_MIN, MIN_GAIN, ROW_COST, START_RATE, AdaptivePolicy, SeqSpecState,
                                          StepCosts, best_k, expected_gain)
@@ -230,3 +233,36 @@ def test_new_sequences_start_at_the_engines_recent_acceptance():
 def test_bad_speculative_config_is_a_clear_error(bad, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         SpeculativeConfig.from_dict(bad)
+
+
+def _decoding(prompt: list[int], rate: float | None = None) -> Sequence:
+    seq = Sequence("r", 0, prompt, SamplingParams(max_tokens=16, temperature=0), max_tokens=16)
+    seq.num_computed_tokens = seq.num_tokens - 1          # one token to decode
+    seq.status = SequenceStatus.RUNNING
+    if rate is not None:
+        seq.spec_state = SeqSpecState(rate=rate)
+    return seq
+
+
+def _commit(dec: SpecDecoder, seq: Sequence, token: int) -> None:
+    dec.commit(seq, [SampledToken(token, None, None)], lambda s, t: s.token_ids.append(t.token_id), None)
+
+
+def test_a_shadow_draft_moves_the_sequences_rate_but_no_counter():
+    dec = SpecDecoder(SpeculativeConfig(method="ngram"), max_model_len=1024, vocab_size=100)
+    seq = _decoding([1, 2, 3, 1, 2, 3, 1, 2], rate=0.0)    # ngram would draft 3; at rate 0 it does not
+    dec.propose([seq])
+    assert seq.spec_tokens == [] and seq.spec_state.shadow == 3
+    _commit(dec, seq, 3)                                  # the target agrees: the draft would have been accepted
+    assert seq.spec_state.rate == pytest.approx(0.5) and seq.spec_state.shadow is None
+    assert dec.stats.num_drafts == dec.stats.num_draft_tokens == 0
+
+
+def test_above_max_batch_size_one_sequence_per_step_shadows():
+    dec = SpecDecoder(SpeculativeConfig(method="ngram", max_batch_size=4), max_model_len=1024, vocab_size=100)
+    seqs = [_decoding([1, 2, 3, 1, 2, 3, 1, 2], rate=0.9) for _ in range(5)]
+    for step in range(5):
+        dec.propose(seqs)
+        assert all(s.spec_tokens == [] for s in seqs)      # no drafts in a batch this large
+        assert [s.spec_state.shadow for s in seqs].count(3) == 1
+    assert dec.stats.num_drafts == 0

@@ -75,12 +75,18 @@ class SpecDecoder:
                 seq.spec_state.shadow = None
             if seq.num_tokens - seq.num_computed_tokens == 1:
                 decoding.append(seq)
+        batched = hasattr(self.proposer, "propose_batch")
+        shadows = self.policy.shadows and not batched      # one-token shadow drafts are free (policy.py)
         if not self.policy.step_allows(len(decoding)):
+            # No drafts in a batch this large, but one sequence per step (round robin) gets a shadow
+            # draft, so that the rates are current when the batch shrinks to where drafts may pay.
+            seq = decoding[self.step_index % len(decoding)] if decoding else None
+            if shadows and seq is not None and seq.params.speculative:
+                self._shadow(seq)
             return
         seqs, ks = [], []
         room = self.config.max_step_rows - len(decoding)      # draft rows this step may add
         cost = self.policy.cost(len(decoding))
-        batched = hasattr(self.proposer, "propose_batch")
         for seq in decoding:
             if not seq.params.speculative:
                 continue
@@ -92,9 +98,8 @@ class SpecDecoder:
             if k > 0:
                 seqs.append(seq)
                 ks.append(k)
-            elif self.policy.shadows and not batched and left > 0:   # free to watch: what would it have drafted?
-                shadow = self.proposer.propose(seq.token_ids, 1)
-                seq.spec_state.shadow = shadow[0] if shadow else None
+            elif shadows and left > 0:          # free to watch: what would it have drafted?
+                self._shadow(seq)
         if batched:                                      # a model-based proposer drafts all at once
             for i, k in enumerate(ks):
                 ks[i] = max(0, min(k, room))
@@ -107,6 +112,12 @@ class SpecDecoder:
                     break
                 seq.spec_tokens = self._grammar_cut(seq, self.proposer.propose(seq.token_ids, min(k, room)))
                 room -= len(seq.spec_tokens)
+
+    def _shadow(self, seq) -> None:
+        if seq.spec_state is None:
+            seq.spec_state = self.policy.new_state()
+        drafts = self.proposer.propose(seq.token_ids, 1)
+        seq.spec_state.shadow = drafts[0] if drafts else None
 
     def _grammar_cut(self, seq, drafts: list[int]) -> list[int]:
         """Structured output: drafts up to the first one the sequence's grammar forbids. Verification
