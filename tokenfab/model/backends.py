@@ -256,6 +256,16 @@ def bf16_prefill_rows(model, setting: str = "auto") -> int | None:
     return None
 
 
+def c_float16_pools(attention_backend: str, device: str, head_dim: int, tensor_parallel_size: int = 1) -> bool:
+    """Whether kv_cache_dtype "auto" takes float16 pools: the cpu backend will run (float32 compute is the
+    caller's check) and its kernels read float16 pools for this head size. They halve the bytes decode
+    attention reads, its biggest cost at 32-64 streams (benchmarks/batch_decode_step.py, docs/quant.md);
+    the bundled model's greedy output still equals transformers' on the oracle prompts. Tensor-parallel
+    ranks keep their compute dtype (every rank decides alike without asking the C build)."""
+    return (attention_backend in ("auto", "cpu") and torch.device(device).type == "cpu" and tensor_parallel_size == 1
+            and kernels.enabled() and kernels.f16_pools(head_dim) is None)
+
+
 def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                            device: str, dtype: torch.dtype, kv_dtype: torch.dtype, fused_decode: bool = True,
                            fused_max_tokens: int = 16, scale: float | None = None,
