@@ -48,3 +48,15 @@ def test_float16_pools_run_on_the_c_kernels_and_stay_close_to_float32_pools(bund
     assert t16[0] == t32[0]
     same = next((i for i, (a, b) in enumerate(zip(t16, t32)) if a != b), len(t16))
     assert max(abs(a - b) for a, b in zip(l16[:same], l32[:same])) < 0.05
+
+
+def test_metrics_config_info_says_what_auto_became():
+    # `tokenfab doctor` sizes KV from this label: "auto" alone would not say float16 or float32
+    from types import SimpleNamespace
+    from tokenfab.server.metrics import _EngineCollector
+    for pools, label in ((torch.zeros(1, dtype=torch.float16), "float16"), (torch.zeros(1), "float32")):
+        engine = SimpleNamespace(config=EngineConfig(), runner=SimpleNamespace(kv=pools), max_model_len=64)
+        collector = _EngineCollector(SimpleNamespace(engine=engine), "m")
+        assert collector.config_labels()["kv_cache_dtype"] == label
+    engine.config = EngineConfig(kv_cache_dtype="int8")
+    assert collector.config_labels()["kv_cache_dtype"] == "int8"
