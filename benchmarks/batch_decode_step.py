@@ -103,6 +103,10 @@ def main() -> None:
                 times.setdefault((kv, n), []).append((dt, cpu))
                 print(f"[round {r + 1}] kv {kv}, {n} streams: {dt * 1e3:.1f} ms per decode step "
                       f"({cpu * 1e3:.1f} ms CPU), {n / dt:.0f} output tok/s")
+            if args.prefill_len:
+                wall, cpu = prefill_ms(llm, args.prefill_len, args.prefill_repeats)
+                times.setdefault((kv, "prefill"), []).append((wall, cpu))
+                print(f"[round {r + 1}] kv {kv}, {args.prefill_len}-token prefill: {wall:.0f} ms ({cpu:.0f} ms CPU)")
     first = args.kv_cache_dtype[0]
     print(f"medians of {args.rounds} round(s); ratio = the first kv_cache_dtype's ({first}) time / this one's")
     for n in args.streams:
@@ -113,9 +117,11 @@ def main() -> None:
             print(f"{n} streams, kv {kv}: {dt * 1e3:.1f} ms per decode step ({cpu * 1e3:.1f} ms CPU), "
                   f"{n / dt:.0f} output tok/s, {base / dt:.2f}x")
     if args.prefill_len:
-        for kv, llm in llms.items():
-            wall, cpu = prefill_ms(llm, args.prefill_len, args.prefill_repeats)
-            print(f"kv {kv}, {args.prefill_len}-token prefill: {wall:.0f} ms ({cpu:.0f} ms CPU)")
+        base = statistics.median(t for t, _ in times[(first, "prefill")])
+        for kv in llms:
+            wall = statistics.median(t for t, _ in times[(kv, "prefill")])
+            cpu = statistics.median(c for _, c in times[(kv, "prefill")])
+            print(f"kv {kv}, {args.prefill_len}-token prefill: {wall:.0f} ms ({cpu:.0f} ms CPU), {base / wall:.2f}x")
 
 
 if __name__ == "__main__":
