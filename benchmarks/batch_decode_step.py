@@ -10,10 +10,14 @@ figure comes with the process's CPU time: with --threads 1 that is the fair meas
     python benchmarks/batch_decode_step.py                          # 32 and 64 streams, 512-token prefill
     python benchmarks/batch_decode_step.py --streams 64 --profile   # plus a cProfile table
     python benchmarks/batch_decode_step.py --threads 1 --kv-cache-dtype float16
+    python benchmarks/batch_decode_step.py --threads 1 --streams 8 32 64 --kv-cache-dtype auto float16 \
+        --rounds 3 --prefill-len 0      # engines side by side, alternating, ratios against the first
     python benchmarks/batch_decode_step.py --threads 1 --prefill-attention-dtype float32
 
-For before/after, run the same command on two checkouts back to back (PYTHONPATH=<checkout>), a few
-times alternately: the 2-core VM is shared, so single figures are noisy.
+Several --kv-cache-dtype values build one engine each in this process and time them in turn, --rounds
+times alternately (medians, and each one's ratio against the first): the 2-core VM is shared, so single
+figures are noisy. For code changes, run the same command on two checkouts back to back
+(PYTHONPATH=<checkout>), a few times alternately.
 """
 from __future__ import annotations
 
@@ -82,18 +86,42 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--threads", type=int, default=None,
                     help="engine threads; with 1, the process CPU time is a fair measure on a shared machine")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (float32 pools) | float16 | int8")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
+                    help="auto (float32 pools) | float16 | int8; several: compared in one run")
+    ap.add_argument("--rounds", type=int, default=1, help="alternations of the --kv-cache-dtype engines")
     ap.add_argument("--prefill-attention-dtype", default="auto", help="auto | float32 | bfloat16")
     args = ap.parse_args()
     kw = {"num_threads": args.threads} if args.threads else {}
-    kw.update(kv_cache_dtype=args.kv_cache_dtype, prefill_attention_dtype=args.prefill_attention_dtype)
-    llm = LLM(max_num_seqs=max(args.streams), max_model_len=4096, enable_prefix_caching=False, **kw)
+    kw.update(prefill_attention_dtype=args.prefill_attention_dtype)
+    llms = {kv: LLM(max_num_seqs=max(args.streams), max_model_len=4096, enable_prefix_caching=False,
+                    kv_cache_dtype=kv, **kw) for kv in args.kv_cache_dtype}
+    times: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in range(args.rounds):
+        for kv, llm in llms.items():
+            for n in args.streams:
+                dt, cpu = decode_steps(llm, n, args.prompt_len, args.steps, args.profile)
+                times.setdefault((kv, n), []).append((dt, cpu))
+                print(f"[round {r + 1}] kv {kv}, {n} streams: {dt * 1e3:.1f} ms per decode step "
+                      f"({cpu * 1e3:.1f} ms CPU), {n / dt:.0f} output tok/s")
+            if args.prefill_len:
+                wall, cpu = prefill_ms(llm, args.prefill_len, args.prefill_repeats)
+                times.setdefault((kv, "prefill"), []).append((wall, cpu))
+                print(f"[round {r + 1}] kv {kv}, {args.prefill_len}-token prefill: {wall:.0f} ms ({cpu:.0f} ms CPU)")
+    first = args.kv_cache_dtype[0]
+    print(f"medians of {args.rounds} round(s); ratio = the first kv_cache_dtype's ({first}) time / this one's")
     for n in args.streams:
-        dt, cpu = decode_steps(llm, n, args.prompt_len, args.steps, args.profile)
-        print(f"{n} streams: {dt * 1e3:.1f} ms per decode step ({cpu * 1e3:.1f} ms CPU), {n / dt:.0f} output tok/s")
+        base = statistics.median(t for t, _ in times[(first, n)])
+        for kv in llms:
+            dt = statistics.median(t for t, _ in times[(kv, n)])
+            cpu = statistics.median(c for _, c in times[(kv, n)])
+            print(f"{n} streams, kv {kv}: {dt * 1e3:.1f} ms per decode step ({cpu * 1e3:.1f} ms CPU), "
+                  f"{n / dt:.0f} output tok/s, {base / dt:.2f}x")
     if args.prefill_len:
-        wall, cpu = prefill_ms(llm, args.prefill_len, args.prefill_repeats)
-        print(f"{args.prefill_len}-token prefill: {wall:.0f} ms ({cpu:.0f} ms CPU)")
+        base = statistics.median(t for t, _ in times[(first, "prefill")])
+        for kv in llms:
+            wall = statistics.median(t for t, _ in times[(kv, "prefill")])
+            cpu = statistics.median(c for _, c in times[(kv, "prefill")])
+            print(f"kv {kv}, {args.prefill_len}-token prefill: {wall:.0f} ms ({cpu:.0f} ms CPU), {base / wall:.2f}x")
 
 
 if __name__ == "__main__":

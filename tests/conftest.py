@@ -27,9 +27,9 @@ def bundled_files(bundled_path):
 
 @pytest.fixture(scope="session")
 def bundled_llm(bundled_files):
-    """The bundled model, float32 weights (token-exact with transformers), shared by tests that only generate (each must leave no request behind)."""
+    """The bundled model, float32 weights and KV pools (token-exact with transformers), shared by tests that only generate (each must leave no request behind)."""
     from tokenfab import LLM
-    llm = LLM(max_model_len=2048, num_kv_blocks=1024, quantization="none", loaded=bundled_files)
+    llm = LLM(max_model_len=2048, num_kv_blocks=1024, quantization="none", kv_cache_dtype="float32", loaded=bundled_files)
     yield llm
     assert llm.engine.block_manager.num_used_blocks() == 0
 

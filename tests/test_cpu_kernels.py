@@ -208,12 +208,18 @@ def test_decode_kernel_keeps_the_bundled_model_at_float_precision(bundled_files,
     assert r.kl_mean < 1e-5 and r.same_top1_pct == 100.0, r
 
 
-def test_fused_decode_stack_gives_the_per_layer_path_logits_exactly(bundled_files):
-    # The default (quantized) bundled model: small decode steps go through one tf_decode_layers call.
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
+def test_fused_decode_stack_gives_the_per_layer_path_logits_exactly(bundled_files, kv_cache_dtype):
+    # The default (quantized) bundled model: small decode steps go through one tf_decode_layers call,
+    # over float32 pools or float16 ones (the stack's kv_half layers)
     from tokenfab import LLM, SamplingParams
+    if kv_cache_dtype == "float16" and kernels.f16_pools(64) is not None:
+        pytest.skip(f"float16 pools: {kernels.f16_pools(64)}")
     # the built-in rules (qgemm up to 16 rows), so the stack's conditions don't hang on a measurement
-    llm = LLM(loaded=bundled_files, max_model_len=512, num_kv_blocks=256, kernel_autotune=False)
+    llm = LLM(loaded=bundled_files, max_model_len=512, num_kv_blocks=256, kernel_autotune=False,
+              kv_cache_dtype=kv_cache_dtype)
     model = llm.engine.model
+    assert llm.engine.runner.kv.dtype == getattr(torch, kv_cache_dtype)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     prompts = ["Tell me a story about a dragon.", "What is 2+2?", [5, 6, 7]]
     runs = {}

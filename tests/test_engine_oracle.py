@@ -32,6 +32,18 @@ def test_bundled_chat_prompts_match_transformers(bundled_llm, hf_bundled, bundle
         assert out.outputs[0].token_ids == hf_greedy(hf_bundled, out.prompt_token_ids, NEW_TOKENS)
 
 
+@pytest.mark.skipif(kernels.f16_pools(64) is not None, reason=f"float16 pools: {kernels.f16_pools(64)}")
+def test_bundled_default_float16_pools_keep_greedy_output_equal_to_transformers(bundled_files, hf_bundled):
+    # kv_cache_dtype "auto" is float16 on the cpu backend (the others pin float32): K/V rounded to
+    # float16 still leave these prompts' 64 greedy tokens as transformers' float32 ones
+    import torch
+    llm = LLM(max_model_len=2048, num_kv_blocks=256, quantization="none", loaded=bundled_files)
+    assert llm.engine.runner.kv.dtype == torch.float16
+    for out in llm.generate(RAW_PROMPTS, GREEDY):
+        assert out.outputs[0].token_ids == hf_greedy(hf_bundled, out.prompt_token_ids, NEW_TOKENS)
+    assert llm.engine.block_manager.num_used_blocks() == 0
+
+
 def test_bundled_prompt_tokens_match_transformers_tokenizer(bundled_llm, bundled_path):
     from transformers import AutoTokenizer
     import os

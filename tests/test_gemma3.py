@@ -259,11 +259,13 @@ def gemma3_270m_path() -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(2400)      # transformers dequantizes the GGUF in numpy: minutes on 2 shared cores
 def test_gemma3_270m_q4_k_m_matches_transformers_past_the_sliding_window():
-    """The real file, float32 (quantization="none": the file's blocks dequantized, as transformers does):
-    a prompt longer than the 512-token window and 64 new tokens, token-exact."""
+    """The real file, float32 (quantization="none": the file's blocks dequantized, as transformers does;
+    float32 KV pools, which "auto" would make float16 here): a prompt longer than the 512-token window and
+    64 new tokens, token-exact."""
     from tests.oracle import load_hf_gguf
     path = gemma3_270m_path()
-    llm = LLM(model="gemma3-270m", quantization="none", max_model_len=1024, num_kv_blocks=128)
+    llm = LLM(model="gemma3-270m", quantization="none", kv_cache_dtype="float32", max_model_len=1024,
+              num_kv_blocks=128)
     text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(60))
     ids = llm.engine.tokenize(text)
     assert len(ids) > 512

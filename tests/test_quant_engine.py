@@ -135,7 +135,8 @@ def test_int8_kv_cache_keeps_greedy_output_on_most_prompts_and_small_kl(bundled_
 def test_int8_kv_cache_doubles_the_block_pool_at_the_same_memory(bundled_files):
     budget = 8 << 20
     blocks = {}
-    for name, kw in {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"kv_cache_dtype": "int8"}}.items():
+    for name, kw in {"float32": {"kv_cache_dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+                     "int8": {"kv_cache_dtype": "int8"}}.items():
         llm = LLM(loaded=bundled_files, quantization="none", kv_cache_memory=budget, **kw)
         blocks[name] = llm.engine.stats().num_blocks
         assert llm.engine.scheduler.bm.num_blocks == blocks[name]     # what the scheduler admits into

@@ -30,7 +30,8 @@ class EngineConfig:
     sliding_window_pool: bool = True         # sliding-window layers (Gemma 3) keep only their window's blocks,
                                              # in a smaller pool of their own (engine/sliding_kv.py); False:
                                              # every layer keeps every position (single-process only)
-    kv_cache_dtype: str = "auto"             # auto (= dtype) | int8 | float16 (half the bytes decode attention reads)
+    kv_cache_dtype: str = "auto"             # auto | float32 | float16 (half the bytes decode attention reads) | int8;
+                                             # auto: float16 where the cpu backend's C kernels read it, else = dtype
     quantization: str = "auto"               # auto | none (float) | gguf (blocks as shipped) | int8 | int4[-g32|-g64|-g128]
     scheduling_policy: str = "fcfs"          # fcfs | priority
     batch_prefill_share: float = 0.25        # most of a step's token budget batch-class prefills may take (engine/lanes.py)
@@ -96,8 +97,8 @@ class EngineConfig:
             raise ValueError(f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.kv_cache_dtype not in ("auto", "int8", "float16"):
-            raise ValueError(f"kv_cache_dtype must be auto, int8 or float16, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "float16", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or int8, got {self.kv_cache_dtype!r}")
         from tokenfab.quant.load import QUANTIZATIONS
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")

@@ -101,9 +101,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    help=f"without --kv-cache-memory, the most bytes the KV pool takes (default: {d.kv_cache_memory_max >> 30}GiB)")
     g.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                    help="exact KV pool size in blocks (overrides --kv-cache-memory)")
-    g.add_argument("--kv-cache-dtype", choices=("auto", "int8", "float16"), default=None,
-                   help="KV cache element type; auto follows --dtype; float16 halves what decode attention "
-                        f"reads (many streams; lossy) (default: {d.kv_cache_dtype})")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "int8"), default=None,
+                   help="KV cache element type; float16 halves what decode attention reads (many streams; "
+                        "values rounded to float16); auto: float16 where tokenfab's C kernels read it (CPU, "
+                        f"float32, head_dim a multiple of 64), else --dtype (default: {d.kv_cache_dtype})")
     # No argparse choices: EngineConfig.validate owns the list and names it when a value is wrong.
     g.add_argument("--quantization", "-q", default=None,
                    help="weights: auto (GGUF blocks as shipped, else float), none (float), gguf, int8, w8a8 "

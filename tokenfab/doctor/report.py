@@ -36,7 +36,7 @@ def deployment_for(hardware: str, model: str | None, config: dict, hardware_file
         from tokenfab.model.bundled import model_display_name
         spec = dataclasses.replace(spec, name=model_display_name(model and os.path.expanduser(model)))
     act = _FLOAT.get(str(config.get("dtype", "float32")), "fp32")
-    kv = "int8" if config.get("kv_cache_dtype") == "int8" else act
+    kv = {"int8": "int8", "float16": "fp16", "float32": "fp32"}.get(str(config.get("kv_cache_dtype")), act)
     w = weight_dtype(str(config.get("quantization", "auto")), str(config.get("dtype", "float32")), spec.default_dtype)
     return Deployment.make(spec, hw, weight_dtype=w, kv_dtype=kv, act_dtype=act)
 

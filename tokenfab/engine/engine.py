@@ -27,7 +27,7 @@ from tokenfab.engine.sliding_kv import SlidingBlocks, fit_blocks, pool_size, sli
 from tokenfab.engine.threads import ThreadController, free_cores
 from tokenfab.kernels.tuning import select_kernels
 from tokenfab.model.attention import kv_bytes_per_token, kv_cache_torch_dtype
-from tokenfab.model.backends import bf16_prefill_rows
+from tokenfab.model.backends import bf16_prefill_rows, c_float16_pools
 from tokenfab.model.layers import pack_linears, release_float_weights
 from tokenfab.model.loader import LoadedModel, load_model_files
 from tokenfab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -144,7 +144,8 @@ class LLMEngine:
         max_len = config.max_model_len or mcfg.max_position_embeddings
 
         # int8: values plus a float32 scale per token and head (counted, so int8 holds ~1.9x bf16's tokens)
-        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype, c_float16_pools(
+            config.attention_backend, config.device, mcfg.head_dim, config.tensor_parallel_size))
         self.kv_bytes_per_token = kv_bytes_per_token(mcfg, kv_dtype)
         spec_cfg = draft_files = None
         if config.speculative_config is not None:

@@ -1428,7 +1428,9 @@ void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
  *   h = norm(x); qkv = h Wqkv; [q/k norms per head]; RoPE + KV write; a = attention; a = a Wo;
  *   [a = norm(a)]; x += a;  h = norm(x); m = act(h Wgate_up) Wdown; [m = norm(m)]; x += m
  * with the kernels above, in one call instead of ~10 Python calls per layer. x [M, hidden] is the
- * residual stream, updated in place. The arithmetic is the Python path's, call for call.
+ * residual stream, updated in place. The arithmetic is the Python path's, call for call. The KV pools are
+ * float32 or float16 (a layer's kv_half: tf_rope_write_kv_f16 and tf_paged_decode_attention_f16, as the
+ * layer path runs them for kv_cache_dtype="float16").
  * The bracketed steps run where the layer has those weights (NULL: Llama skips them); Gemma 3 has all
  * of them, `act` 1 (GeGLU) and sliding layers (window > 0) that read the step's second view: their own
  * KV pool's slots and block tables (engine/sliding_kv.py) and the local RoPE tables. */
@@ -1441,10 +1443,11 @@ typedef struct {
 typedef struct {
     const float *ln1, *ln2;
     tf_qlin qkv, o, gate_up, down;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;                   /* float32 pools, or float16 ones where kv_half */
     const float *q_norm, *k_norm;              /* per-head RMSNorm weights of q and k (Qwen3, Gemma 3), or NULL */
     const float *attn_out_norm, *mlp_out_norm; /* norms of the attention and MLP outputs (Gemma 3), or NULL */
     int64_t window;                            /* > 0: a sliding layer (view 1, its window only); 0: global */
+    int64_t kv_half;                           /* 1: float16 pools (kv_cache_dtype="float16"; AVX2 builds, D % 64 == 0) */
 } tf_layer;
 
 /* What a step's layers read besides their weights: where the new K/V go, the block tables, and RoPE. */
@@ -1475,10 +1478,18 @@ void tf_decode_layers(float *x, int64_t M, int64_t hidden, int64_t n_layers, con
                 tf_rms_norm(wide + t * qkv_n, wide + t * qkv_n, L->q_norm, H, D, eps);
                 tf_rms_norm(wide + t * qkv_n + H * D, wide + t * qkv_n + H * D, L->k_norm, KVH, D, eps);
             }
-        tf_rope_write_kv(wide, M, qkv_n, H, KVH, D, v->positions, v->cos_t, v->sin_t, L->k_cache, L->v_cache,
-                         v->slots);
-        tf_paged_decode_attention(mid, wide, qkv_n, L->k_cache, L->v_cache, v->block_tables, v->bt_stride,
-                                  v->ctx_lens, M, H, KVH, D, bs, scale, L->window);
+        if (L->kv_half) {     /* the same rotation; K/V stored rounded, widened to float32 as they are read */
+            tf_rope_write_kv_f16(wide, M, qkv_n, H, KVH, D, v->positions, v->cos_t, v->sin_t,
+                                 (uint16_t *)L->k_cache, (uint16_t *)L->v_cache, v->slots);
+            tf_paged_decode_attention_f16(mid, wide, qkv_n, (const uint16_t *)L->k_cache, (const uint16_t *)L->v_cache,
+                                          v->block_tables, v->bt_stride, v->ctx_lens, M, H, KVH, D, bs, scale,
+                                          L->window);
+        } else {
+            tf_rope_write_kv(wide, M, qkv_n, H, KVH, D, v->positions, v->cos_t, v->sin_t, (float *)L->k_cache,
+                             (float *)L->v_cache, v->slots);
+            tf_paged_decode_attention(mid, wide, qkv_n, (const float *)L->k_cache, (const float *)L->v_cache,
+                                      v->block_tables, v->bt_stride, v->ctx_lens, M, H, KVH, D, bs, scale, L->window);
+        }
         tf_qgemm(y, mid, M, H * D, hidden, L->o.q, L->o.d, L->o.m, L->o.gs, L->o.bits);
         if (L->attn_out_norm) tf_rms_norm(y, y, L->attn_out_norm, M, hidden, eps);
         for (int64_t i = 0; i < M * hidden; i++) x[i] += y[i];

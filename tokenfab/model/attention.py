@@ -65,11 +65,15 @@ def kv_int8_bytes_per_token(cfg) -> int:
     return cfg.kv_bytes_per_token(1) + 2 * cfg.num_layers * cfg.num_kv_heads * KV_SCALE_BYTES
 
 
-def kv_cache_torch_dtype(setting: str, compute: torch.dtype) -> torch.dtype:
-    """EngineConfig.kv_cache_dtype -> the pools' element type: "auto" the compute dtype, "int8" the int8
-    cache, "float16" half-size pools (the C kernels read them on CPU: half the bytes decode attention
-    reads; values rounded to nearest float16, relative error 2^-11)."""
-    return {"int8": torch.int8, "float16": torch.float16}.get(setting, compute)
+def kv_cache_torch_dtype(setting: str, compute: torch.dtype, c_float16: bool = False) -> torch.dtype:
+    """EngineConfig.kv_cache_dtype -> the pools' element type: "int8" the int8 cache, "float16" half-size
+    pools (the C kernels read them on CPU: half the bytes decode attention reads; values rounded to
+    nearest float16, relative error 2^-11), "float32" float32 pools; "auto" float16 where the compute
+    dtype is float32 and `c_float16` (the cpu backend's kernels read float16 pools for this model here:
+    backends.c_float16_pools), else the compute dtype."""
+    if setting == "auto":
+        return torch.float16 if c_float16 and compute == torch.float32 else compute
+    return {"int8": torch.int8, "float16": torch.float16, "float32": torch.float32}[setting]
 
 
 def kv_bytes_per_token(cfg, kv_dtype: torch.dtype) -> int:

@@ -14,8 +14,9 @@
   outputs, GeGLU, sliding layers with their own pool and RoPE base) are per-layer fields of its layer
   table. Prefill attention stays on torch's SDPA, in bfloat16 (AMX / AVX512-BF16) from the chunk
   size where the qkv projection already runs the lossy bf16 kernel (`prefill_attention_dtype`, see
-  bf16_prefill_rows). float32 on the CPU only; with the int8 KV cache
-  attention falls back to the torch path (the C norms stay).
+  bf16_prefill_rows). float32 on the CPU only; the KV pools float32 or float16 (kv_cache_dtype, read by
+  the layer path and the one-call stack alike); with the int8 KV cache attention falls back to the
+  torch path (the C norms stay).
 
 "auto" takes cpu where it can run (kernels built, CPU, float32), else torch. Every choice is made here,
 once; the forward pass never asks again.
@@ -75,7 +76,7 @@ class TorchBackend:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Decodes read the float32 pools in place through tf_decode_attention; prefills use SDPA, in bfloat16
+    """Decodes read the float32 or float16 pools in place through tf_paged_decode_attention; prefills use SDPA, in bfloat16
     for chunks of at least `bf16_rows` tokens (None: never; see bf16_prefill_rows) while `bf16_now`
     (CpuBackend sets it per step under "auto": this step's qkv projection ran the bf16 kernel)."""
     bf16_rows: int | None = None
@@ -191,7 +192,9 @@ def _build_stack(model, kv_caches, cap: int) -> tuple | None:
     table = (kernels.Layer * len(model.layers))()
     keep = []                          # the layouts' tensors: the table holds their addresses
     for entry, layer, (k_cache, v_cache) in zip(table, model.layers, kv_caches):
-        if not isinstance(k_cache, torch.Tensor) or k_cache.dtype != torch.float32:
+        if not isinstance(k_cache, torch.Tensor) or not (
+                k_cache.dtype == torch.float32
+                or (k_cache.dtype == torch.float16 and kernels.f16_pools(cfg.head_dim) is None)):
             return None
         attn = layer.self_attn
         # (input norm, MLP input norm, attention output norm, MLP output norm): Gemma 3's sandwich, or
@@ -226,6 +229,7 @@ def _build_stack(model, kv_caches, cap: int) -> tuple | None:
         entry.window = attn.window or 0
         entry.qkv, entry.o, entry.gate_up, entry.down = layouts
         entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        entry.kv_half = int(k_cache.dtype == torch.float16)
     return kv_caches[0][0].data_ptr(), rows, table, keep
 
 
@@ -250,6 +254,16 @@ def bf16_prefill_rows(model, setting: str = "auto") -> int | None:
             break
         lower = c.max_rows + 1
     return None
+
+
+def c_float16_pools(attention_backend: str, device: str, head_dim: int, tensor_parallel_size: int = 1) -> bool:
+    """Whether kv_cache_dtype "auto" takes float16 pools: the cpu backend will run (float32 compute is the
+    caller's check) and its kernels read float16 pools for this head size. They halve the bytes decode
+    attention reads, its biggest cost at 32-64 streams (benchmarks/batch_decode_step.py, docs/quant.md);
+    the bundled model's greedy output still equals transformers' on the oracle prompts. Tensor-parallel
+    ranks keep their compute dtype (every rank decides alike without asking the C build)."""
+    return (attention_backend in ("auto", "cpu") and torch.device(device).type == "cpu" and tensor_parallel_size == 1
+            and kernels.enabled() and kernels.f16_pools(head_dim) is None)
 
 
 def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
