@@ -174,6 +174,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     g.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
                    help="how the tensor-parallel ranks start: mp (torch.multiprocessing) or ray (Ray actors) "
                         "(default: ray inside a Ray Serve replica, else mp)")
+    g.add_argument("--tp-allreduce", choices=("auto", "shm", "gloo"), default=None,
+                   help="how CPU ranks add their partial sums: shm (a buffer shared by local processes) or "
+                        "gloo; auto: shm for local processes on x86-64, else gloo; CUDA uses NCCL "
+                        f"(default: {d.tp_allreduce})")
     g.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(default: off; docs/speculative.md)")
