@@ -92,42 +92,52 @@ class ShmGroup:
         # slots[parity][rank]
         self.slots = [[data[(2 * r + k) * slot_bytes:(2 * r + k + 1) * slot_bytes] for r in range(size)]
                       for k in range(2)]
-        self._views: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+        self._views: dict[tuple, tuple] = {}      # (dtype, shape) -> per parity, each rank's slot as that tensor
         self.seq = int(self.header[rank * WORDS])      # 0 on a fresh buffer
         for r, pid in enumerate(pids or []):            # rank 0 knows every pid before the workers attach
             self.header[r * WORDS + 1] = pid
         self.header[rank * WORDS + 1] = os.getpid()
-        self._peers = [p for p in range(size) if p != rank]
-
-    def _slot_views(self, dtype: torch.dtype) -> list[list[torch.Tensor]]:
-        v = self._views.get(dtype)
-        if v is None:
-            v = self._views[dtype] = [[s.view(dtype) for s in parity] for parity in self.slots]
-        return v
+        self._flag = rank * WORDS
+        self._peer_flags = tuple(p * WORDS for p in range(size) if p != rank)
 
     def all_reduce(self, y: torch.Tensor) -> torch.Tensor:
         """Sum `y` (contiguous, on the CPU) over the ranks, in place; every rank gets the same bits."""
+        if y.numel() * y.element_size() <= self.slot_bytes:
+            return self._reduce(y)
         flat = y.view(-1)
-        views = self._slot_views(y.dtype)
         per = self.slot_bytes // y.element_size()
         for start in range(0, flat.numel(), per):
-            part = flat[start:start + per]
-            n = part.numel()
-            self.seq += 1
-            slots = [s[:n] for s in views[self.seq % 2]]
-            slots[self.rank].copy_(part)
-            self.header[self.rank * WORDS] = self.seq        # publish: after the data (x86 store order)
-            self._wait(self.seq)
-            torch.add(slots[0], slots[1], out=part)         # rank order, the same on every rank
-            for s in slots[2:]:
-                part.add_(s)
+            self._reduce(flat[start:start + per])
+        return y
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """One chunk. Kept to a handful of tensor calls: at a decode step's sizes the Python around them
+        is most of the cost (the slot views are made once per shape)."""
+        key = (y.dtype, y.shape)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) > 4096:         # every token count a step ever had: start again
+                self._views.clear()
+            nbytes = y.numel() * y.element_size()
+            views = self._views[key] = tuple(tuple(s[:nbytes].view(y.dtype).view(y.shape) for s in parity)
+                                             for parity in self.slots)
+        self.seq = s = self.seq + 1
+        slots = views[s & 1]
+        slots[self.rank].copy_(y)
+        self.header[self._flag] = s         # publish: after the data (x86 store order)
+        header = self.header
+        for i in self._peer_flags:
+            if header[i] < s:
+                self._wait(s)
+                break
+        torch.add(slots[0], slots[1], out=y)        # in rank order, the same on every rank
+        for x in slots[2:]:
+            y.add_(x)
         return y
 
     def _wait(self, s: int) -> None:
-        header, pending = self.header, self._peers
-        pending = [p for p in pending if header[p * WORDS] < s]
-        if not pending:
-            return
+        header = self.header
+        pending = [i // WORDS for i in self._peer_flags]
         t0 = time.perf_counter()
         next_check = t0 + CHECK_S
         while True:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 # usual figures (PCIe-class ring; NVLink entries give their own), not measured here (no GPU).
 BACKEND_DEFAULTS = {
     "gloo": {"interconnect_latency_us": 855.0, "interconnect_gb_s": 0.94},
+    "shm": {"interconnect_latency_us": 50.0, "interconnect_gb_s": 5.0},
     "nccl": {"interconnect_latency_us": 25.0, "interconnect_gb_s": 32.0},
 }
 
