@@ -243,7 +243,8 @@ def main() -> None:
         entry = {**catalog_hw.to_entry(), **fits[b].entry(), "interconnect_backend": b}
         path = save_entry(args.save_hardware, catalog_hw.name, entry)
         print(f"wrote {catalog_hw.name} with the {b} in-engine link fit to {path}")
-    print(f"took {time.monotonic() - t_start:.0f} s")
+    print(f"took {time.monotonic() - t_start:.0f} s; load average at the end {os.getloadavg()[0]:.1f} (this "
+          "benchmark itself keeps it near 1-2; more means other work shared the cores and the numbers with it)")
 
 
 if __name__ == "__main__":
