@@ -1,21 +1,23 @@
 """Tensor parallelism on this machine: TP=1 against TP=2 step times, the all-reduce share of a step,
-and the planner's communication model against the all-reduces measured.
+and the planner's communication model against the all-reduces measured, for each CPU all-reduce
+backend (tokenfab's shared-memory one and gloo).
 
-    python benchmarks/tensor_parallel.py                  # ~1-2 minutes on the 2-core VM
-    python benchmarks/tensor_parallel.py --layers 16 --batch 1 8 32 --new-tokens 48
+    python benchmarks/tensor_parallel.py                  # ~40 s on the 2-core VM
+    python benchmarks/tensor_parallel.py --layers 16 --batch 1 8 32 --new-tokens 48 --allreduce shm
 
-1. A gloo all-reduce micro-benchmark (2 spawned ranks, float32 messages of 1..512 tokens x hidden):
-   a least-squares fit of time = latency + bytes x 2(t-1)/t / bandwidth, the planner's ring formula
-   (tokenfab/plan/roofline.py: allreduce_s), gives the interconnect_latency_us and interconnect_gb_s
-   to put in a hardware entry.
+1. An all-reduce micro-benchmark per backend (2 spawned ranks, float32 messages of 1..512 tokens x
+   hidden): a least-squares fit of time = latency + bytes x 2(t-1)/t / bandwidth, the planner's ring
+   formula (tokenfab/plan/comm.py), on the bare link.
 2. A random-weight Llama (built from a transformers config; nothing downloaded) generates greedily at
-   each batch size under TP=1 (all threads) and TP=2 (the threads split between the ranks): median
-   prefill and decode step times, and rank 0's all-reduce seconds per decode step (which include
-   waiting for the slower rank).
+   each batch size under TP=1 (1 thread, then all) and TP=2 (the threads split between the ranks), once
+   per backend: median decode step times, rank 0's all-reduce seconds per decode step with the ranks
+   aligned first, and its wait for the slower rank.
 3. The planner's predicted all-reduce time per decode step (2 x layers x allreduce_s(batch x hidden x
-   4 bytes), with the fitted link numbers) against that measurement.
+   4 bytes)) against that measurement: with the backend's default (comm.BACKEND_DEFAULTS), the bare
+   link's fit, and the engine's own all-reduces with that batch size held out.
 
-Numbers are noisy on a shared machine: compare ratios from one run.
+Numbers are noisy on a shared machine: compare ratios from one run, and look at the load average it
+prints at the start and the end.
 """
 from __future__ import annotations
 

@@ -168,7 +168,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    help=f"cpu backend: one C call for the whole stack on small decode steps "
                         f"(default: {'on' if d.enable_fused_decode else 'off'})")
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=None, metavar="N",
-                   help="split the model over N ranks (torch.distributed: gloo on CPU, NCCL on CUDA), launched "
+                   help="split the model over N ranks (shared memory or gloo on CPU, NCCL on CUDA), launched "
                         "locally, or as Ray actors under --replicas "
                         f"(default: {d.tensor_parallel_size}; docs/tensor_parallel.md)")
     g.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
