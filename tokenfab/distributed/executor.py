@@ -171,8 +171,8 @@ class TensorParallelRunner(ModelRunner):
             workers.launch(config, model_path, num_blocks, max_positions, threads, shared)
             if shared is not None:
                 where = "shared memory"
-                workers.join(None, None)
                 self.model.tp_comm.group = shm.ShmGroup(shared, 0, size, pids=[os.getpid(), *workers.pids()])
+                workers.join(None, None)            # every pid is in the buffer before a worker waits on it
             else:
                 store, addr, port = group.host_store(size)
                 where = f"{addr}:{port}"
@@ -199,7 +199,6 @@ class TensorParallelRunner(ModelRunner):
                           + (f" (worker {', '.join(dead)} exited)" if dead else "")
                           + "; the engine must be recreated")
             self.close(timeout=2)              # a worker may wait in an all-reduce rank 0 never joins
-
             raise RuntimeError(self.error) from e
 
     def close(self, timeout: float = 10.0) -> None:

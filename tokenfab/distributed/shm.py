@@ -38,6 +38,8 @@ import time
 
 import torch
 
+from tokenfab.distributed.group import COLLECTIVE_TIMEOUT
+
 LINE = 64                   # bytes per header line: one cache line, so ranks' flags never share one
 WORDS = LINE // 8           # int64 words per line
 SLOT_BYTES = 1 << 20        # per rank and parity; bigger messages (prefill) go in chunks
@@ -83,7 +85,6 @@ class ShmGroup:
     def __init__(self, buf: torch.Tensor, rank: int, size: int, slot_bytes: int = SLOT_BYTES,
                  pids: list[int] | None = None, timeout_s: float | None = None):
         assert buf.dtype == torch.uint8 and buf.is_shared() and buf.numel() == buffer_bytes(size, slot_bytes)
-        from tokenfab.distributed.group import COLLECTIVE_TIMEOUT
         self.rank, self.size, self.slot_bytes = rank, size, slot_bytes
         self.timeout_s = COLLECTIVE_TIMEOUT.total_seconds() if timeout_s is None else timeout_s
         self.buf = buf
