@@ -1,5 +1,6 @@
-"""Tensor parallelism (tokenfab/distributed) with 2 gloo ranks on a tiny random Llama: the same greedy
-tokens as one process, shards that add up to the whole model, clear errors, no orphan processes."""
+"""Tensor parallelism (tokenfab/distributed) with 2 local CPU ranks on a tiny random Llama, adding their
+partial sums through shared memory (the default here) or gloo: the same greedy tokens as one process,
+shards that add up to the whole model, clear errors, no orphan processes."""
 import os
 import signal
 import subprocess
@@ -64,8 +65,19 @@ def test_tp2_greedy_tokens_equal_tp1_batched_chunked_and_prefix_hits(tiny_llama,
     assert again == want[::-1]
     assert tp2.engine.block_manager.prefix_hits > 0
     assert tp2.engine.block_manager.num_used_blocks() == 0
+    assert tp2.engine.runner.allreduce == "shm"      # auto, for local processes on x86-64
     comm = tp2.engine.runner.comm       # two all-reduces per layer per step, on rank 0
     assert comm.calls > 0 and comm.calls % (2 * tp2.engine.model_config.num_layers) == 0
+
+
+def test_tp2_over_gloo_gives_the_same_greedy_tokens_as_tp1(tiny_llama, restore_threads):
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama, **ENGINE).generate(PROMPTS, GREEDY)]
+    llm = LLM(tiny_llama, tensor_parallel_size=2, tp_allreduce="gloo", **ENGINE)
+    try:
+        assert llm.engine.runner.allreduce == "gloo"
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    finally:
+        llm.close()
 
 
 def test_link_calibrated_from_the_engines_all_reduces_is_what_the_planner_then_uses(tp2, tiny_llama, tmp_path):
@@ -197,8 +209,9 @@ def test_cli_bad_tp_size_exits_non_zero_with_the_numbers(tiny_llama):
     assert "Traceback" not in r.stderr
 
 
-def test_killed_worker_fails_the_step_clearly_and_stops_the_group(tiny_llama, restore_threads):
-    llm = LLM(tiny_llama, tensor_parallel_size=2, **ENGINE)
+@pytest.mark.parametrize("allreduce", ["shm", "gloo"])
+def test_killed_worker_fails_the_step_clearly_and_stops_the_group(tiny_llama, restore_threads, allreduce):
+    llm = LLM(tiny_llama, tensor_parallel_size=2, tp_allreduce=allreduce, **ENGINE)
     proc = llm.engine.runner.workers.procs[0]
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(10)
@@ -209,6 +222,24 @@ def test_killed_worker_fails_the_step_clearly_and_stops_the_group(tiny_llama, re
         llm.generate(PROMPTS[:1], GREEDY)
     llm.close()
     assert not proc.is_alive() and llm.engine.model.tp_comm.group is None
+
+
+def test_worker_killed_while_rank0_waits_in_the_shm_all_reduce_is_an_error_not_a_hang(tiny_llama, restore_threads):
+    llm = LLM(tiny_llama, tensor_parallel_size=2, tp_allreduce="shm", **ENGINE)
+    proc = llm.engine.runner.workers.procs[0]
+    group = llm.engine.model.tp_comm.group
+    real = group.all_reduce
+
+    def kill_then_reduce(y):        # the step has reached the worker; it dies mid-step
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(10)
+        return real(y)
+    group.all_reduce = kill_then_reduce
+    with pytest.raises(RuntimeError, match=rf"tensor-parallel group stopped: .*rank 1 \(pid {proc.pid}\) exited"):
+        llm.generate(PROMPTS[:2], GREEDY)
+    assert llm.engine.block_manager.num_used_blocks() == 0
+    llm.close()
 
 
 @pytest.mark.slow

@@ -76,6 +76,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1            # ranks one model is split over (torch.distributed); docs/tensor_parallel.md
     distributed_executor_backend: str | None = None   # how those ranks start: mp | ray; None: Ray actors inside
                                              # a Ray actor (serve --replicas), else torch.multiprocessing
+    tp_allreduce: str = "auto"               # how CPU ranks add their partial sums: shm (a shared buffer) |
+                                             # gloo | auto: shm for local processes on x86-64, else gloo;
+                                             # CUDA always uses NCCL (docs/tensor_parallel.md)
     speculative_config: dict | None = None   # e.g. {"method": "ngram", "num_speculative_tokens": 4}; docs/speculative.md
 
     @classmethod
@@ -95,6 +98,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.distributed_executor_backend not in (None, "mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}")
+        if self.tp_allreduce not in ("auto", "shm", "gloo"):
+            raise ValueError(f"tp_allreduce must be auto, shm or gloo, got {self.tp_allreduce!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_cache_dtype not in ("auto", "float32", "float16", "int8"):

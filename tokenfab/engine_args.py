@@ -169,12 +169,16 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    help=f"cpu backend: one C call for the whole stack on small decode steps "
                         f"(default: {'on' if d.enable_fused_decode else 'off'})")
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=None, metavar="N",
-                   help="split the model over N ranks (torch.distributed: gloo on CPU, NCCL on CUDA), launched "
+                   help="split the model over N ranks (shared memory or gloo on CPU, NCCL on CUDA), launched "
                         "locally, or as Ray actors under --replicas "
                         f"(default: {d.tensor_parallel_size}; docs/tensor_parallel.md)")
     g.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
                    help="how the tensor-parallel ranks start: mp (torch.multiprocessing) or ray (Ray actors) "
                         "(default: ray inside a Ray Serve replica, else mp)")
+    g.add_argument("--tp-allreduce", choices=("auto", "shm", "gloo"), default=None,
+                   help="how CPU ranks add their partial sums: shm (a buffer shared by local processes) or "
+                        "gloo; auto: shm for local processes on x86-64, else gloo; CUDA uses NCCL "
+                        f"(default: {d.tp_allreduce})")
     g.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(default: off; docs/speculative.md)")

@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from tokenfab.distributed import group
+from tokenfab.distributed import group, shm
 from tokenfab.distributed.worker import STOP, encode_step, worker_main
 from tokenfab.engine.runner import ModelRunner
 
@@ -40,6 +40,7 @@ def prepare_rank0(config) -> None:
             and torch.cuda.device_count() < config.tensor_parallel_size:     # a Ray actor sees only its own GPU
         raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} needs as many GPUs; "
                          f"{torch.cuda.device_count()} visible")
+    group.allreduce_backend(config, choose_launcher(config))      # a tp_allreduce that cannot run here
     config.enable_fused_decode = False
     torch.set_num_threads(threads_per_rank(config))
 
@@ -84,14 +85,16 @@ class _Workers:
         self.procs, self.conns = [], []
         self.store = None       # rank 0's rendezvous store: kept for the group's lifetime
 
-    def launch(self, config, model_path: str, num_blocks: int, max_positions: int, threads: int) -> None:
-        """Start ranks 1..t-1 and wait until each has loaded its shard (RuntimeError naming the rank if not)."""
+    def launch(self, config, model_path: str, num_blocks: int, max_positions: int, threads: int,
+               shared: torch.Tensor | None = None) -> None:
+        """Start ranks 1..t-1 and wait until each has loaded its shard (RuntimeError naming the rank if not).
+        `shared`: the shared-memory all-reduce's buffer (shm.allocate), handed to each rank at spawn."""
         ctx = torch.multiprocessing.get_context("spawn")
         for rank in range(1, config.tensor_parallel_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=worker_main, name=f"tokenfab-tp{rank}", daemon=True,
                             args=(rank, config.tensor_parallel_size, config, model_path, num_blocks, max_positions,
-                                  threads, child, os.getpid()))
+                                  threads, child, os.getpid(), shared))
             p.start()
             child.close()
             self.procs.append(p)
@@ -101,7 +104,11 @@ class _Workers:
             if status != "ok":
                 raise RuntimeError(f"tensor parallelism: {status}")
 
-    def join(self, addr: str, port: int) -> None:
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def join(self, addr: str | None, port: int | None) -> None:
+        """Tell the ranks to form their group: at rank 0's store, or (None) on the buffer they were given."""
         for c in self.conns:
             c.send(("init", addr, port))
 
@@ -158,18 +165,26 @@ class TensorParallelRunner(ModelRunner):
         self.workers = workers
         self._finalizer = weakref.finalize(self, workers.stop)
         threads = threads_per_rank(config)
+        self.allreduce = group.allreduce_backend(config, self.launcher)
+        shared = shm.allocate(size) if self.allreduce == "shm" else None
         try:
-            workers.launch(config, model_path, num_blocks, max_positions, threads)
-            store, addr, port = group.host_store(size)
-            workers.join(addr, port)
-            self.model.tp_comm.group = group.make_group(store, config.device, 0, size)
-            workers.joined()
-            workers.store = store
+            workers.launch(config, model_path, num_blocks, max_positions, threads, shared)
+            if shared is not None:
+                where = "shared memory"
+                self.model.tp_comm.group = shm.ShmGroup(shared, 0, size, pids=[os.getpid(), *workers.pids()])
+                workers.join(None, None)            # every pid is in the buffer before a worker waits on it
+            else:
+                store, addr, port = group.host_store(size)
+                where = f"{addr}:{port}"
+                workers.join(addr, port)
+                self.model.tp_comm.group = group.make_group(store, config.device, 0, size)
+                workers.joined()
+                workers.store = store
         except BaseException:
             workers.stop(timeout=2)
             raise
-        log.info("tensor parallelism: %d ranks (%s at %s:%d, %s workers), %d threads each", size,
-                 group.backend_for(config.device), addr, port, self.launcher, threads)
+        log.info("tensor parallelism: %d ranks (%s all-reduce, %s; %s workers), %d threads each", size,
+                 self.allreduce, where, self.launcher, threads)
         return self
 
     def execute(self, step) -> torch.Tensor:
@@ -183,15 +198,17 @@ class TensorParallelRunner(ModelRunner):
             self.error = (f"tensor-parallel group stopped: {type(e).__name__}: {e}"
                           + (f" (worker {', '.join(dead)} exited)" if dead else "")
                           + "; the engine must be recreated")
-            self.model.tp_comm.group = None
-            self.workers.stop(timeout=2)       # a worker may wait in an all-reduce rank 0 never joins
-            self.close()
+            self.close(timeout=2)              # a worker may wait in an all-reduce rank 0 never joins
             raise RuntimeError(self.error) from e
 
-    def close(self) -> None:
-        """Stop the workers and drop the process group; idempotent."""
-        self._finalizer()
-        self.model.tp_comm.group = None
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the workers (terminated after `timeout` s) and drop the process group; idempotent. A
+        worker waiting in an all-reduce is released by the abort flag (shm) or by being terminated."""
+        g, self.model.tp_comm.group = self.model.tp_comm.group, None
+        if g is not None:
+            g.abort()
+        if self._finalizer.detach() is not None:
+            self.workers.stop(timeout)
 
     @property
     def comm(self):

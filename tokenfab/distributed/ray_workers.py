@@ -79,8 +79,10 @@ class RayWorkers:
         self.actors, self.pending, self.store = [], [], None
         self.procs = []           # what tests of the mp launcher read; Ray actors are not processes of ours
 
-    def launch(self, config, model_path: str, num_blocks: int, max_positions: int, threads: int) -> None:
+    def launch(self, config, model_path: str, num_blocks: int, max_positions: int, threads: int,
+               shared=None) -> None:
         import ray
+        assert shared is None, "Ray actor ranks use gloo (group.allreduce_backend)"
         from tokenfab.distributed.executor import LOAD_TIMEOUT_S
         if not ray.is_initialized():
             raise RuntimeError("distributed_executor_backend='ray' needs Ray started here (ray.init(), or "

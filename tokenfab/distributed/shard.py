@@ -81,8 +81,9 @@ def shard_weights(weights: dict[str, torch.Tensor], cfg, rank: int, tp: int) -> 
 
 @dataclass(slots=True)
 class Comm:
-    """A rank's process group (set once the ranks have met) and its all-reduce counters since start
-    (benchmarks/tensor_parallel.py reads them). One per model, shared by its row-parallel linears."""
+    """A rank's all-reduce group (set once the ranks have met: shm.ShmGroup, or group.DistGroup over gloo /
+    NCCL) and its all-reduce counters since start (benchmarks/tensor_parallel.py reads them). One per
+    model, shared by its row-parallel linears."""
     group: object = None
     calls: int = 0
     bytes: int = 0
@@ -94,15 +95,14 @@ class Comm:
     wait_seconds: float = 0.0
 
     def all_reduce(self, y: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
         if self.group is None:
             raise RuntimeError("this tensor-parallel shard has no process group yet (engine not started)")
         if self.measure_wait:
             t0 = time.perf_counter()
-            dist.all_reduce(torch.zeros(1, dtype=y.dtype, device=y.device), group=self.group)
+            self.group.all_reduce(torch.zeros(1, dtype=y.dtype, device=y.device))
             self.wait_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()
-        dist.all_reduce(y, group=self.group)
+        self.group.all_reduce(y)
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         self.bytes += y.numel() * y.element_size()

@@ -94,9 +94,10 @@ def load_rank(rank: int, size: int, config, path: str, num_blocks: int, max_posi
 
 
 def worker_main(rank: int, size: int, config, path: str, num_blocks: int, max_positions: int,
-                num_threads: int, conn, parent_pid: int) -> None:
+                num_threads: int, conn, parent_pid: int, shared: torch.Tensor | None = None) -> None:
     """Entry point of a spawned worker rank. Reports "ok" or an error string on `conn` once loaded, then
-    waits for ("init", address, port) to join the group."""
+    waits for ("init", address, port) to join the group at rank 0's store, or ("init", None, None) to
+    join the shared-memory all-reduce on `shared` (shm.py)."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     # Ctrl-C reaches the whole process group: rank 0 decides when to stop (the server drains its
     # requests first, which needs the workers), so a worker ignores it.
@@ -104,6 +105,7 @@ def worker_main(rank: int, size: int, config, path: str, num_blocks: int, max_po
     logging.basicConfig(level=logging.WARNING, format=f"tokenfab rank {rank}: %(levelname)s %(message)s")
     torch.set_num_threads(num_threads)
     from tokenfab.distributed.group import join_store, make_group
+    from tokenfab.distributed.shm import ShmGroup
     try:
         runner, device = load_rank(rank, size, config, path, num_blocks, max_positions)
     except BaseException as e:      # noqa: BLE001 - reported to rank 0, which raises it for the user
@@ -116,8 +118,10 @@ def worker_main(rank: int, size: int, config, path: str, num_blocks: int, max_po
         return
     if msg[0] != "init":
         return
-    store = join_store(msg[1], msg[2], size)
-    runner.model.tp_comm.group = make_group(store, config.device, rank, size)
+    if msg[1] is None:
+        runner.model.tp_comm.group = ShmGroup(shared, rank, size)
+    else:
+        runner.model.tp_comm.group = make_group(join_store(msg[1], msg[2], size), config.device, rank, size)
     try:
         while True:
             try:

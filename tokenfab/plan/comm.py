@@ -21,9 +21,13 @@ from dataclasses import dataclass
 # machine, 2026-12-01 03:33 UTC): the latency is fit_allreduce over the engine's recorded in-step
 # all-reduces (0.93 ms at 2 KiB, 0.80 ms at 16 KiB: latency-bound, 856 µs), the bandwidth the bare
 # link's fit of the same run (0.94 GB/s; only prefill-sized messages feel it). nccl: the GPU entries'
-# usual figures (PCIe-class ring; NVLink entries give their own), not measured here (no GPU).
+# usual figures (PCIe-class ring; NVLink entries give their own), not measured here (no GPU). shm
+# (tokenfab's shared-memory all-reduce, distributed/shm.py: what CPU ranks on one host use by default):
+# fit_allreduce over the engine's in-step all-reduces, every step of one run (2026-12-01 23:28 UTC,
+# 13 µs at 2 KiB, 16 µs at 16 KiB, 371 µs at 1 MiB), checked on a later run (docs/tensor_parallel.md).
 BACKEND_DEFAULTS = {
     "gloo": {"interconnect_latency_us": 855.0, "interconnect_gb_s": 0.94},
+    "shm": {"interconnect_latency_us": 11.0, "interconnect_gb_s": 3.59},
     "nccl": {"interconnect_latency_us": 25.0, "interconnect_gb_s": 32.0},
 }
 

@@ -35,7 +35,7 @@ class Hardware:
     interconnect: str | None = None
     interconnect_gb_s: float | None = None
     interconnect_latency_us: float | None = None   # None: the backend's default (comm.BACKEND_DEFAULTS), else 10
-    interconnect_backend: str | None = None         # gloo | nccl: supplies link defaults the entry leaves out
+    interconnect_backend: str | None = None         # shm | gloo | nccl: supplies link defaults the entry leaves out
     # Tensor-parallel ranks are processes on this one device (CPU ranks on one host): they split its
     # bandwidth, compute and memory instead of each bringing their own, so TP buys no speed here.
     tp_shares_device: bool = False

@@ -178,7 +178,7 @@ def allreduce_s(dep: Deployment, nbytes: float) -> float:
     hw = dep.hardware
     if not hw.interconnect_gb_s:
         raise ValueError(f"{hw.name} has no interconnect_gb_s, so tensor parallelism cannot be costed; "
-                         "add it (or interconnect_backend: gloo | nccl) in a --hardware-file")
+                         "add it (or interconnect_backend: shm | gloo | nccl) in a --hardware-file")
     return comm.allreduce_s(t, nbytes, hw.interconnect_latency_us, hw.interconnect_gb_s)
 
 
