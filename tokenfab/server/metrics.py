@@ -90,7 +90,7 @@ class _EngineCollector:
         labels = {k: str(getattr(cfg, k, "")) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                                                        "dtype", "kv_cache_dtype", "quantization")}
         kv = getattr(getattr(engine, "runner", None), "kv", None)
-        if cfg.kv_cache_dtype == "auto" and getattr(kv, "dtype", None) is not None:   # what "auto" became (doctor reads it)
+        if labels["kv_cache_dtype"] == "auto" and getattr(kv, "dtype", None) is not None:   # what "auto" became (doctor reads it)
             labels["kv_cache_dtype"] = str(kv.dtype).removeprefix("torch.")
         bm = getattr(engine, "block_manager", None)
         if bm is not None:
