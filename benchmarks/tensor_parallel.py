@@ -110,7 +110,8 @@ def run_engine(folder: str, tp: int, threads: int, batches: list[int], prompt_le
     os.environ["TOKENFAB_TP_MEASURE_WAIT"] = "1"
     llm = LLM(folder, tensor_parallel_size=tp, num_threads=threads, adaptive_threads=False, max_model_len=prompt_len + new_tokens + 8,
               num_kv_blocks=max(batches) * (-(-(prompt_len + new_tokens + 8) // 16)) + 8,
-              kernel_autotune=False, enable_prefix_caching=False, tp_allreduce=allreduce)
+              kernel_autotune=False, enable_prefix_caching=False, tp_allreduce=allreduce,
+              kv_cache_dtype="float32")   # TP=1 would take float16 pools under auto; compare like with like
     eng = llm.engine
     comm = eng.runner.comm if tp > 1 else None
     # (prefill?, tokens, seconds, all-reduce seconds, wait seconds, all-reduce calls, all-reduce bytes)
