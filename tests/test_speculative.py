@@ -125,8 +125,10 @@ COPY = "Repeat the text.\nText: " + PASSAGES[0] + "\nRepeat: "
 
 @pytest.fixture(scope="module")
 def copy_llms(bundled_files):
-    return LLM(loaded=bundled_files, quantization="none", max_model_len=1024, num_kv_blocks=256), \
-        spec_llm(bundled_files, num_kv_blocks=256, spec={**NGRAM, "num_speculative_tokens": 8, "adaptive": False})
+    # float32 pools: the logprob test compares to 1e-3, finer than float16 keys and values hold
+    return LLM(loaded=bundled_files, quantization="none", max_model_len=1024, num_kv_blocks=256, kv_cache_dtype="float32"), \
+        spec_llm(bundled_files, num_kv_blocks=256, kv_cache_dtype="float32",
+                 spec={**NGRAM, "num_speculative_tokens": 8, "adaptive": False})
 
 
 def outputs_match(copy_llms, params):
