@@ -65,11 +65,9 @@ def expected_gain(a: float, k: int, cost_per_draft: float) -> float:
 
 def best_k(a: float, cost: float, k_max: int) -> int:
     """The k in 1..k_max with the largest gain(k), or 0 when none reaches MIN_GAIN."""
-    k_best, best, tokens, term = 0, MIN_GAIN, 1.0, 1.0
+    k_best, best = 0, MIN_GAIN
     for k in range(1, k_max + 1):
-        term *= a
-        tokens += term
-        g = tokens / (1 + cost * k)
+        g = expected_gain(a, k, cost)
         if g > best:
             k_best, best = k, g
     return k_best
