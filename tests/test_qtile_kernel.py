@@ -5,6 +5,10 @@ the rounding) at every row count, give each row the same bits whatever rows run 
 speculative verify's rows and a 1-row decode must agree, or greedy speculation would drift from plain
 decoding), give the same bits on AMX as its plain C reference, and keep the table from mixing it with
 qgemm in the decode rows. The AMX-only tests skip, with the reason, on CPUs (or kernels) without it."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,8 +86,43 @@ def test_amx_tiles_give_the_plain_c_references_bits(name):
     for rows in ROWS:
         xr = x[:rows] if rows <= 16 else x.repeat(3, 1)[:rows]
         tiles = kernels.qtile(xr, *state, layer.out_features)
-        plain = kernels.qtile(xr, *state, layer.out_features, reference=True)
+        plain = kernels.qtile(xr, *state, layer.out_features, path="reference")
         assert torch.equal(tiles, plain), (name, rows)
+
+
+def _needs_vnni():
+    if not kernels.qtile_vnni_available():
+        pytest.skip(f"needs a build for AVX-512 VNNI (this CPU's kernels: {kernels.describe()})")
+
+
+@pytest.mark.parametrize("name", list(_layers()))
+def test_the_vnni_path_gives_the_plain_c_references_bits(name):
+    """The VNNI path (1-4 rows per pass; every row count where AMX is missing) computes the same exact
+    integer dots and the same float steps in the same order as the reference, at every row count."""
+    _needs_vnni()
+    layer = _layers()[name]
+    state = _state(layer)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(5)) * 2
+    x[3, 64:96] = 0                    # an all-zero block: scale 0
+    for rows in ROWS:
+        vnni = kernels.qtile(x[:rows], *state, layer.out_features, path="vnni")
+        plain = kernels.qtile(x[:rows], *state, layer.out_features, path="reference")
+        assert torch.equal(vnni, plain), (name, rows)
+
+
+def test_the_vnni_path_takes_int8_weights_at_both_ends_of_their_range():
+    """int8 weights go in as the signed operand and the activations plus 128 as the unsigned one: the
+    weight sums that take the 128 back out must hold at -128 / 127 weights and full-scale activations."""
+    _needs_vnni()
+    w = torch.full((32, 64), 127, dtype=torch.int8)
+    w[::2] = -128
+    w[1::4, ::3] = 0
+    layer = Int8Linear(w, torch.rand(32) + 0.5)
+    state = _state(layer)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
+    x[:, ::5] = x.abs().max()
+    vnni = kernels.qtile(x, *state, layer.out_features, path="vnni")
+    assert torch.equal(vnni, kernels.qtile(x, *state, layer.out_features, path="reference"))
 
 
 def test_the_seam_runs_qtile_through_the_layer_and_pads_int4_rows():
@@ -96,13 +135,13 @@ def test_the_seam_runs_qtile_through_the_layer_and_pads_int4_rows():
     assert float((layer(x) - ref).abs().max() / ref.abs().max()) < 1e-4
 
 
-@pytest.mark.parametrize("reference", [False, True])
-def test_zero_rows_give_an_empty_result(reference):
+@pytest.mark.parametrize("path", ["auto", "reference", "vnni"])
+def test_zero_rows_give_an_empty_result(path):
     # A step whose only work is a prefill chunk mid-prompt samples no row: the LM head gets 0 rows.
     # A 0-row tile configuration is a general-protection fault (the server died of it under mixed load).
     for name, layer in _layers().items():
         q, d, m, gs, bits = _state(layer)
-        y = kernels.qtile(torch.randn(0, 512), q, d, m, gs, bits, layer.out_features, reference=reference)
+        y = kernels.qtile(torch.randn(0, 512), q, d, m, gs, bits, layer.out_features, path=path)
         assert y.shape == (0, layer.out_features), name
 
 
@@ -168,3 +207,26 @@ def test_speculative_greedy_on_the_quantized_model_matches_plain_token_for_token
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert alone[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.engine.block_manager.num_used_blocks() == 0
+
+
+def test_without_amx_qtile_runs_every_row_count_on_vnni():
+    """TOKENFAB_NO_AMX=1 runs the process as on an AVX-512 VNNI CPU without AMX (Ice Lake, Zen 4): qtile
+    is still offered, every row count takes the VNNI path, and the bits stay the reference's."""
+    _needs_vnni()
+    code = (
+        "import torch\n"
+        "from tokenfab import kernels\n"
+        "from tokenfab.kernels import linear as seam\n"
+        "from tests.test_qtile_kernel import _layers, _state\n"
+        "assert not kernels.amx_available()\n"
+        "for name, layer in _layers().items():\n"
+        "    assert seam.get('qtile').supports(layer) is None, name\n"
+        "    x = torch.randn(17, 512, generator=torch.Generator().manual_seed(7))\n"
+        "    st = _state(layer)\n"
+        "    assert torch.equal(kernels.qtile(x, *st, layer.out_features), kernels.qtile(x, *st, layer.out_features, path='reference')), name\n"
+        "assert seam.get('qtile').row_cost == 0.3\n"
+        "print('ok')\n")
+    env = dict(os.environ, TOKENFAB_NO_AMX="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

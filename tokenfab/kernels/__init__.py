@@ -73,6 +73,7 @@ _SIGNATURES = {
     "tf_qdot": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_qtile": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_qtile_ref": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
+    "tf_qtile_vnni": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_decode_layers": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I, _F],
 }
 QGEMM_MAX_ROWS = 16     # rows tf_qgemm takes (8 per pass over W, TF_MAX_ROWS in cpu.c); 2-core VM: beats the
@@ -176,6 +177,7 @@ def _build() -> ctypes.CDLL | None:
         fn.argtypes, fn.restype = args, None
     lib.tf_isa.argtypes, lib.tf_isa.restype = [], ctypes.c_int64
     lib.tf_amx_available.argtypes, lib.tf_amx_available.restype = [], ctypes.c_int64
+    lib.tf_qtile_vnni.restype = ctypes.c_int64
     _isa = isa
     return lib
 
@@ -353,6 +355,12 @@ def amx_available() -> bool:
     return enabled() and bool(_lib.tf_amx_available())
 
 
+def qtile_vnni_available() -> bool:
+    """True when the loaded kernels run tf_qtile's AVX-512 VNNI path (a build for avx512_vnni): 1-row calls
+    where AMX runs too (1.3x the tile unit's speed on int4), every row count where AMX is missing."""
+    return enabled() and "avx512_vnni" in compiled_features()
+
+
 def qtile_pack(layout: tuple, out_features: int) -> tuple:
     """A tf_qgemm layout (q, d, m, gs, bits 4 or 8) -> tf_qtile's (cpu.c): outputs in tiles of 16, each
     block of 32 inputs as the tile unit's B operand (int8 as is; int4 as nibbles, two B rows per 64
@@ -380,14 +388,16 @@ def qtile_pack(layout: tuple, out_features: int) -> tuple:
 
 
 def qtile(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group_size: int, bits: int,
-          out_features: int, reference: bool = False) -> torch.Tensor:
-    """x [M, K] float32 @ a qtile layout (`qtile_pack`), float32 [M, out]: AMX int8 tiles where
-    `amx_available()`, else (or with reference=True) the plain C loop with the same arithmetic, bit for
-    bit. A row's result is the same whatever M is."""
+          out_features: int, path: str = "auto") -> torch.Tensor:
+    """x [M, K] float32 @ a qtile layout (`qtile_pack`), float32 [M, out]. `path` "auto": AVX-512 VNNI for
+    1 row where the build has it (`qtile_vnni_available`), AMX int8 tiles for more where
+    `amx_available()`, VNNI again where AMX is missing, else the plain C loop; "reference": that loop;
+    "vnni": the VNNI path at any row count (a no-op without it). All give the same bits, and a row's
+    result is the same whatever M is."""
     x = x.contiguous()
     M, K = x.shape
     y = torch.empty(M, out_features)
-    fn = _lib.tf_qtile_ref if reference else _lib.tf_qtile
+    fn = {"auto": _lib.tf_qtile, "reference": _lib.tf_qtile_ref, "vnni": _lib.tf_qtile_vnni}[path]
     fn(y.data_ptr(), x.data_ptr(), M, K, out_features, q.data_ptr(), d.data_ptr(),
        None if m is None else m.data_ptr(), group_size, bits & ~QTILE_FLAG)
     return y

@@ -109,12 +109,11 @@ class QTile:
     verify rows, small decode batches: docs/speculative.md). A row's result never depends on how many
     rows run together, 1 to 16; its arithmetic (per-block float sums in block order) differs from
     qgemm's in the last bits, so the table never mixes the two below UNIFORM_ROWS (tuning.py).
-    Needs AMX (amx_tile + amx_int8, Sapphire Rapids or newer) and Linux's permission for it."""
+    One row (and every row count on CPUs without AMX) runs an AVX-512 VNNI loop over the same layout with
+    the same exact integer dots and float steps: the same bits, 1.3x the tile unit's speed at 1 row.
+    Needs AVX-512 VNNI or AMX (amx_tile + amx_int8, Sapphire Rapids or newer, with Linux's permission)."""
     name, formats, tune_max_rows, float_copy = "qtile", ("int8", "int4", "q8_0"), 64, False
     rank, lossy = -1, False           # ahead of qgemm on a tie: as precise, and cheaper per extra row
-    # a decode step's cost per extra row, relative to 1 row (decoder stack + LM head, bundled model, 1 thread:
-    # 5 rows 1.25x, 8 rows 1.51x, benchmarks/verify_row_cost.py); the speculative policy prices drafts by it
-    row_cost = 0.06
 
     def supports(self, layer):
         why = QGemm().supports(layer)
@@ -122,10 +121,17 @@ class QTile:
             return why
         if layer.out_features % 16:
             return "its tiles take outputs 16 at a time (out_features not a multiple of 16)"
-        if not cpu_kernels.amx_available():
-            return ("it needs AMX int8 tiles (amx_tile + amx_int8 in /proc/cpuinfo, Sapphire Rapids or newer) "
-                    "and Linux's permission to use them (arch_prctl XTILEDATA)")
+        if not (cpu_kernels.amx_available() or cpu_kernels.qtile_vnni_available()):
+            return ("it needs AVX-512 VNNI (kernels built for avx512_vnni) or AMX int8 tiles (amx_tile + amx_int8 "
+                    "in /proc/cpuinfo, Sapphire Rapids or newer, and Linux's permission to use them)")
         return None
+
+    @property
+    def row_cost(self) -> float:
+        # a decode step's cost per extra row, relative to 1 row (decoder stack + LM head, bundled model,
+        # 1 thread, benchmarks/verify_row_cost.py): AMX 0.06 (5 rows 1.25x, 8 rows 1.51x); VNNI alone
+        # (TOKENFAB_NO_AMX=1) 0.3 (2 rows 1.35x, 5 rows 2.3x, 8 rows 3.0x); the speculative policy prices drafts by it
+        return 0.06 if cpu_kernels.amx_available() else 0.3
 
     def prepare(self, layer):
         return cpu_kernels.qtile_pack(layer.cpu_layout(), layer.out_features)   # bits | QTILE_FLAG: the stack runs it
