@@ -100,9 +100,9 @@ class ThreadController:
         if slow:
             self._slow_ratios.append(ratio)
         crowded = False
-        if self._cores_free is not None and self.threads > 1 and self._since_change >= self.patience:
+        if slow and self._cores_free is not None and self.threads > 1 and self._since_change >= self.patience:
             free = self._cores_free()
-            crowded = free is not None and free < self.threads - 1 and slow
+            crowded = free is not None and free < self.threads - 1     # /proc/stat: read for slow steps only
         if (self._slow_run >= self.patience or crowded) and self.threads > 1 and self._hold == 0:
             self._before = statistics.median(self._slow_ratios)
             self._change(self.threads - 1)
