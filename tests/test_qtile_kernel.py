@@ -17,7 +17,7 @@ from tokenfab import kernels
 from tokenfab.kernels import linear as seam
 from tokenfab.kernels.tuning import KernelTable, select_kernels
 from tests.test_qdot_kernels import _layers as qdot_layers
-from tokenfab.quant.linear import Int4Linear, Int8Linear
+from tokenfab.quant.linear import Int4Linear, Int8Linear, Q4_1Linear, Q8_0Linear
 
 ROWS = (1, 2, 3, 5, 8, 9, 12, 16, 17, 40)
 QMAX = 32639.0                 # tf_qtile's int16 range: q = 256 hi + lo with hi, lo both int8
@@ -31,8 +31,16 @@ def _needs_amx():
 
 
 def _layers():
-    """The qdot tests' random layers, in the formats qtile takes (the same weights and seeds)."""
-    return {k: v for k, v in qdot_layers().items() if k in ("int4-g32", "int4-g128", "int8", "q8_0")}
+    """The qdot tests' random layers, in the formats qtile takes (the same weights and seeds), and two whose
+    scales and offsets are float16 values, as GGUF's Q4_1 / Q8_0 blocks store them (tiled in float16)."""
+    layers = {k: v for k, v in qdot_layers().items() if k in ("int4-g32", "int4-g128", "int8", "q8_0")}
+    g = torch.Generator().manual_seed(8)
+    d = (torch.rand(96, 16, generator=g) * 1e-2).half().float()
+    m = (-torch.rand(96, 16, generator=g) * 8e-2).half().float()
+    q = torch.randint(0, 16, (96, 512), generator=g, dtype=torch.uint8)
+    layers["q4_1-f16"] = Q4_1Linear(q, d, m + 8 * d, 32, 512)
+    layers["q8_0-f16"] = Q8_0Linear(torch.randint(-128, 128, (96, 512), generator=g, dtype=torch.int8), d)
+    return layers
 
 
 def _state(layer):
@@ -143,6 +151,17 @@ def test_zero_rows_give_an_empty_result(path):
         q, d, m, gs, bits = _state(layer)
         y = kernels.qtile(torch.randn(0, 512), q, d, m, gs, bits, layer.out_features, path=path)
         assert y.shape == (0, layer.out_features), name
+
+
+def test_float16_scales_are_tiled_in_float16_only_where_that_is_exact():
+    layers = _layers()
+    for name in ("q4_1-f16", "q8_0-f16"):
+        q, d, m, gs, bits = _state(layers[name])
+        assert bits & kernels.QTILE_HALF and d.dtype == torch.float16, name
+        assert m is None or m.dtype == torch.float16, name
+    for name in ("int4-g32", "q8_0"):                 # float32 scales that float16 would round
+        q, d, m, gs, bits = _state(layers[name])
+        assert not bits & kernels.QTILE_HALF and d.dtype == torch.float32, name
 
 
 def test_qtile_says_why_it_cannot_run_a_layer():

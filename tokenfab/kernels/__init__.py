@@ -347,6 +347,7 @@ def qdot(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | No
 
 QTILE_FLAG = 512         # tf_qgemm's `bits | QTILE_FLAG` runs tf_qtile (a qtile layout in the decode stack)
 QTILE_MAX_ROWS = 16      # rows tf_qtile takes per pass over the weight (TF_QTILE_ROWS in cpu.c)
+QTILE_HALF = 1024        # a qtile layout's `bits | QTILE_HALF`: its scales and offsets are float16 (TF_QTILE_HALF)
 
 
 def amx_available() -> bool:
@@ -364,8 +365,10 @@ def qtile_vnni_available() -> bool:
 def qtile_pack(layout: tuple, out_features: int) -> tuple:
     """A tf_qgemm layout (q, d, m, gs, bits 4 or 8) -> tf_qtile's (cpu.c): outputs in tiles of 16, each
     block of 32 inputs as the tile unit's B operand (int8 as is; int4 as nibbles, two B rows per 64
-    bytes); the scales and int4's offsets as they are. Int4 repacks the same bytes as the input layout;
-    int8 copies its weight (the Q8_0 LM head: 27 MiB more)."""
+    bytes); the scales and int4's offsets tiled [out / 16, groups, 16] (a block's 16 in one load), in
+    float16 when that is exact (GGUF's blocks store float16: `bits | QTILE_HALF`), else float32. Int4
+    repacks the same bytes as the input layout; int8 copies its weight (the Q8_0 LM head: 27 MiB more);
+    the tiled scales are copies too (float16: 8 MiB on the bundled model)."""
     q, d, m, gs, bits = layout
     N = out_features
     assert bits in (4, 8) and N % 16 == 0 and q.shape[0] == N
@@ -382,8 +385,14 @@ def qtile_pack(layout: tuple, out_features: int) -> tuple:
         packed = (w[:, :, :, 0] | (w[:, :, :, 1] << 4)).contiguous().view(N, K // 2)
     else:
         packed = w.contiguous().view(torch.int8).view(N, K)
-    dt = d.float().contiguous()                                       # as stored: no copy (the kernel
-    mt = None if m is None else m.float().contiguous()                # gathers a block's 16 scales)
+    G = d.shape[1]
+
+    def tiled(v):                                                     # [N, G] -> [N / 16, G, 16]
+        return v.float().reshape(T, 16, G).transpose(1, 2).contiguous()
+
+    dt, mt = tiled(d), None if m is None else tiled(m)
+    if all(v is None or torch.equal(v.half().float(), v) for v in (dt, mt)):    # GGUF's own: exact in float16
+        dt, mt, bits = dt.half(), None if mt is None else mt.half(), bits | QTILE_HALF
     return packed, dt, mt, gs, bits | QTILE_FLAG
 
 
@@ -412,7 +421,7 @@ KQUANT_BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210}
 def layout_in_features(layout: tuple) -> int:
     """The input width a tf_qgemm layout (q, d, m, gs, bits) covers."""
     q, _, _, _, bits = layout
-    bits &= ~(QDOT_FLAG | QTILE_FLAG)
+    bits &= ~(QDOT_FLAG | QTILE_FLAG | QTILE_HALF)
     if bits in KQUANT_BLOCK_BYTES:
         return q.shape[1] // KQUANT_BLOCK_BYTES[bits] * 256
     return q.shape[1] * (2 if bits == 4 else 1)

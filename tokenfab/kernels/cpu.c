@@ -1529,11 +1529,19 @@ void tf_decode_layers(float *x, int64_t M, int64_t hidden, int64_t n_layers, con
  * Layout (built by tokenfab/quant/kernels.py, `qtile_pack`): outputs in tiles of 16 (N % 16 == 0);
  *   bits 8: q [N/16][nb][8][16][4] int8: the tile unit's B operand as is (row i: k 4i..4i+3 of 16 outputs)
  *   bits 4: q [N/16][nb][4][64] bytes: chunk c's low nibbles are B row 2c, its high nibbles B row 2c+1
- *   d [N, G] and m [N, G] (int4's offsets) as stored, one per group of gs: the kernel gathers a block's
- *   16 scales (one gather per block and 16 outputs; a tiled copy cost 16 MiB on the bundled model). */
+ *   d and m (int4's offsets), one per output and group of gs, tiled [N/16][G][16]: a block's 16 scales are
+ *   one contiguous load. Float16 where `bits | TF_QTILE_HALF` says so (GGUF's Q4_1 / Q8_0 store theirs in
+ *   float16, so widening them is exact and the bytes per token drop by a third of the int4 blocks'),
+ *   else float32. */
 #define TF_QTILE 512      /* tf_qgemm's `bits | TF_QTILE`: run tf_qtile (the one-call decode stack's layouts) */
 #define TF_QTILE_ROWS 16  /* rows per pass over the weight (two tiles of 8: each row takes a hi and a lo tile row) */
 #define TF_QTILE_QMAX 32639.f   /* 256 * 127 + 127: the largest q whose hi and lo both fit int8 */
+#define TF_QTILE_HALF 1024      /* a qtile layout's `bits | TF_QTILE_HALF`: its scales and offsets are float16 */
+
+/* Element i of a tiled scale array, float32 or float16. */
+static inline float tf_qtile_scale(const void *s, int half, int64_t i) {
+    return half ? tf_f16((const uint8_t *)s + 2 * i) : ((const float *)s)[i];
+}
 
 /* x [n] -> int16 blocks in [-32639, 32639] and their scales (relative error ~2^-16). */
 static void tf_qtile_quantize(const float *x, int64_t n, int16_t *xq, float *dx) {
@@ -1577,6 +1585,8 @@ static inline int tf_qtile_w(const uint8_t *tile_b, int64_t bits, int n, int k) 
 /* The plain C reference: the same arithmetic one weight at a time (tests compare the tile path to it). */
 void tf_qtile_ref(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const float *d,
                   const float *m, int64_t gs, int64_t bits) {
+    const int half = (bits & TF_QTILE_HALF) != 0;
+    bits &= ~TF_QTILE_HALF;
     const int64_t nb = K / 32, G = K / gs, tb = bits == 8 ? 512 : 256;
     int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
@@ -1590,11 +1600,11 @@ void tf_qtile_ref(float *y, const float *x, int64_t M, int64_t K, int64_t N, con
                 const uint8_t *tile_b = (const uint8_t *)q + (t * nb + b) * tb;
                 int32_t dot = 0;
                 for (int k = 0; k < 32; k++) dot += tf_qtile_w(tile_b, bits, (int)(n % 16), k) * xq[r * K + b * 32 + k];
-                const float sc = d[n * G + b / (gs / 32)] * dx[r * nb + b];
+                const float sc = tf_qtile_scale(d, half, (t * G + b / (gs / 32)) * 16 + n % 16) * dx[r * nb + b];
                 acc = fmaf((float)dot, sc, acc);
             }
             if (bits == 4)
-                for (int64_t g = 0; g < G; g++) acc = fmaf(m[n * G + g], xs[r * G + g], acc);
+                for (int64_t g = 0; g < G; g++) acc = fmaf(tf_qtile_scale(m, half, (t * G + g) * 16 + n % 16), xs[r * G + g], acc);
             y[r * N + n] = acc;
         }
     }
@@ -1630,9 +1640,7 @@ static inline __attribute__((always_inline)) __m512i tf_bcast4(const int8_t *p) 
 static inline __attribute__((always_inline)) void
 tf_qtile_vnni_tiles(const int M, const int TG, float *y, int64_t N, const int8_t *hi, const int8_t *lo,
                     const float *dx, const float *xs, int64_t K, int64_t nb, int64_t G, const uint8_t *qt,
-                    const float *dt, const float *mt, int64_t bits, int64_t bpg) {
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32((int)G));
+                    const char *dt, const char *mt, int64_t bits, int64_t bpg, const int half) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
     const int64_t tb = bits == 8 ? 512 : 256;
     __m512 acc[4][TF_QTILE_VNNI_ROWS];
@@ -1667,7 +1675,7 @@ tf_qtile_vnni_tiles(const int M, const int TG, float *y, int64_t N, const int8_t
                 }
                 sw = _mm512_mullo_epi32(sw, _mm512_set1_epi32(32896));   /* 128 * 257 */
             }
-            const __m512 s = _mm512_i32gather_ps(rows, dt + t * 16 * G + b / bpg, 4);
+            const __m512 s = tf_ld16(dt, (t * G + b / bpg) * 16, half);
             for (int r = 0; r < M; r++) {
                 __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dh[r], 8), dl[r]);
                 if (bits == 8) dot = _mm512_sub_epi32(dot, sw);
@@ -1679,7 +1687,7 @@ tf_qtile_vnni_tiles(const int M, const int TG, float *y, int64_t N, const int8_t
     for (int t = 0; t < TG; t++) {
         if (bits == 4)
             for (int64_t g = 0; g < G; g++) {
-                const __m512 mv = _mm512_i32gather_ps(rows, mt + t * 16 * G + g, 4);
+                const __m512 mv = tf_ld16(mt, (t * G + g) * 16, half);
                 for (int r = 0; r < M; r++) acc[t][r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * G + g]), acc[t][r]);
             }
         for (int r = 0; r < M; r++) _mm512_storeu_ps(y + r * N + t * 16, acc[t][r]);
@@ -1688,7 +1696,8 @@ tf_qtile_vnni_tiles(const int M, const int TG, float *y, int64_t N, const int8_t
 
 #define TF_QTILE_VNNI_CALL(M_, TG_)                                                                    \
     tf_qtile_vnni_tiles(M_, TG_, y + t * 16, N, hi, lo, dx, xs, K, nb, G, (const uint8_t *)q + t * nb * tb, \
-                        d + t * 16 * G, bits == 4 ? m + t * 16 * G : NULL, bits, gs / 32)
+                        (const char *)d + t * 16 * G * es, bits == 4 ? (const char *)m + t * 16 * G * es : NULL, \
+                        bits, gs / 32, half)
 
 /* y[M, N] from a qtile layout on VNNI, TF_QTILE_VNNI_ROWS rows per pass (the rows' results as tf_qtile_ref's). */
 static void tf_qtile_vnni_run(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q,
@@ -1699,7 +1708,9 @@ static void tf_qtile_vnni_run(float *y, const float *x, int64_t M, int64_t K, in
                               K, N, q, d, m, gs, bits);
         return;
     }
-    const int64_t nb = K / 32, G = K / gs, ntiles = N / 16, tb = bits == 8 ? 512 : 256;
+    const int half = (bits & TF_QTILE_HALF) != 0;
+    bits &= ~TF_QTILE_HALF;
+    const int64_t nb = K / 32, G = K / gs, ntiles = N / 16, tb = bits == 8 ? 512 : 256, es = half ? 2 : 4;
     int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
     float *xs = (float *)calloc((size_t)(M * G + 1), sizeof(float));
@@ -1842,11 +1853,9 @@ __attribute__((always_inline)) static inline void tf_qtile_acc(const int M, __m5
  * registers). a: the activation tiles [nb][2 * M][32]; dx [M, nb]; xs [M, G]. */
 __attribute__((target("amx-tile,amx-int8"), always_inline)) static inline void
 tf_qtile_tile(const int M, float *y, int64_t N, const int8_t *a, const float *dx, const float *xs, int64_t nb,
-              int64_t G, const uint8_t *qt, const float *dt, const float *mt, int64_t bits, int64_t bpg) {
-    /* dt, mt: the tile's first row of scales / offsets ([16, G], rows G apart) */
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32((int)G));
-#define TF_SB(blk) _mm512_i32gather_ps(rows, dt + (blk) / bpg, 4)
+              int64_t G, const uint8_t *qt, const char *dt, const char *mt, int64_t bits, int64_t bpg, const int half) {
+    /* dt, mt: the tile's scales / offsets ([G][16]) */
+#define TF_SB(blk) tf_ld16(dt, (blk) / bpg * 16, half)
     __m512 acc[TF_QTILE_ROWS];
     int32_t c0[2 * TF_QTILE_ROWS][16] __attribute__((aligned(64)));
     int32_t c1[2 * TF_QTILE_ROWS][16] __attribute__((aligned(64)));
@@ -1908,7 +1917,7 @@ tf_qtile_tile(const int M, float *y, int64_t N, const int8_t *a, const float *dx
     }
     if (bits == 4)
         for (int64_t g = 0; g < G; g++) {
-            const __m512 mv = _mm512_i32gather_ps(rows, mt + g, 4);
+            const __m512 mv = tf_ld16(mt, g * 16, half);
             for (int r = 0; r < M; r++) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * G + g]), acc[r]);
         }
     for (int r = 0; r < M; r++) _mm512_storeu_ps(y + r * N, acc[r]);
@@ -1955,6 +1964,8 @@ void tf_qtile(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
             tf_qtile(y + r0 * N, x + r0 * K, M - r0 < TF_QTILE_ROWS ? M - r0 : TF_QTILE_ROWS, K, N, q, d, m, gs, bits);
         return;
     }
+    const int half = (bits & TF_QTILE_HALF) != 0;
+    bits &= ~TF_QTILE_HALF;
     /* 9-16 rows run the kernel compiled for 12 or 16: pad with zero rows (their output is dropped) */
     const int64_t Mk = M <= 8 ? M : M <= 12 ? 12 : 16;
     const int64_t nb = K / 32, G = K / gs, r0 = Mk < 8 ? Mk : 8;
@@ -1975,15 +1986,15 @@ void tf_qtile(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
                 lo[j] = (int8_t)(v - 256 * h);
             }
         }
-    const int64_t ntiles = N / 16, tb = bits == 8 ? 512 : 256;
+    const int64_t ntiles = N / 16, tb = bits == 8 ? 512 : 256, es = half ? 2 : 4;
 #pragma omp parallel if (ntiles >= 8)
     {
         tf_qtile_config(Mk);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ntiles; t++) {
             const uint8_t *qt = (const uint8_t *)q + t * nb * tb;
-            const float *dt = d + t * 16 * G, *mt = bits == 4 ? m + t * 16 * G : NULL;
-            TF_QTILE_SWITCH(yk + t * 16, N, a, dx, xs, nb, G, qt, dt, mt, bits, gs / 32)
+            const char *dt = (const char *)d + t * 16 * G * es, *mt = bits == 4 ? (const char *)m + t * 16 * G * es : NULL;
+            TF_QTILE_SWITCH(yk + t * 16, N, a, dx, xs, nb, G, qt, dt, mt, bits, gs / 32, half)
         }
         _tile_release();
     }

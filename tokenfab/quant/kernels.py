@@ -140,7 +140,7 @@ class QTile:
         if x.dtype is not torch.float32:
             return self.run(state, x.float(), layer).to(x.dtype)
         q, d, m, gs, bits = state
-        if bits & ~cpu_kernels.QTILE_FLAG == 4 and x.shape[1] != q.shape[1] * 2:   # int4 rows padded to whole groups
+        if bits & ~(cpu_kernels.QTILE_FLAG | cpu_kernels.QTILE_HALF) == 4 and x.shape[1] != q.shape[1] * 2:   # int4 rows padded to whole groups
             x = F.pad(x, (0, q.shape[1] * 2 - x.shape[1]))
         return cpu_kernels.qtile(x, q, d, m, gs, bits, layer.out_features)
 
