@@ -34,6 +34,7 @@ TOLERANCE = {"onednn": 1e-5, "torch": 1e-6, "float": 1e-5, "dequant": 1e-6,
              "qdot": 1e-2,        # activations as int8 per block of 32 (tests/test_qdot_kernels.py checks it exactly)
              "packed": 2 ** -7,   # activations and scales rounded to bfloat16
              "bf16": 2 ** -7,     # activations and the weight copy rounded to bfloat16
+             "qbf16": 2 ** -7,    # the same, the weights rounded to bfloat16 inside the kernel
              "w8a8": 0.05}        # activations as int8 per row
 
 

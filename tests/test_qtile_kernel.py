@@ -192,6 +192,17 @@ def test_the_table_never_mixes_qgemm_and_qtile_in_the_decode_rows(monkeypatch):
     assert model[0].plan.names() == [(None, "qgemm")]
 
 
+def test_lossy_kernels_of_one_precision_compete_by_time_among_themselves(monkeypatch):
+    """bf16 and qbf16 round alike: once either is LOSSY_MARGIN faster than the precise kernels, the faster
+    of the two is taken (as between precise kernels), not the first in rank."""
+    from tokenfab.kernels.tuning import _pick
+    order, lossy = ["qtile", "qbf16", "bf16"], {"qbf16", "bf16"}
+    assert _pick(order, {"qtile": 10.0, "qbf16": 4.0, "bf16": 2.0}, lossy) == "bf16"
+    assert _pick(order, {"qtile": 10.0, "qbf16": 2.0, "bf16": 4.0}, lossy) == "qbf16"
+    assert _pick(order, {"qtile": 10.0, "qbf16": 2.0, "bf16": 1.9}, lossy) == "qbf16"      # a tie: rank
+    assert _pick(order, {"qtile": 10.0, "qbf16": 6.0, "bf16": 6.0}, lossy) == "qtile"      # not 2x faster
+
+
 def test_the_speculative_policy_prices_rows_by_the_decoders_kernel(monkeypatch):
     from tokenfab.engine.spec.policy import ROW_COST, row_cost_of
     for name in ("qgemm", "qtile"):
@@ -249,3 +260,47 @@ def test_without_amx_qtile_runs_every_row_count_on_vnni():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def _needs_amx_bf16():
+    if not kernels.amx_bf16_available():
+        pytest.skip(f"needs AMX bf16 tiles and the kernel's permission (this CPU's kernels: {kernels.describe()})")
+
+
+@pytest.mark.parametrize("name", list(_layers()))
+def test_qbf16_computes_what_the_bf16_float_copy_computes(name):
+    """tf_qbf16 expands each tile's weights to bf16 inside the kernel: the same bf16 weights as the float
+    copy, the same bf16 activations, float32 sums; only the order of the sums differs. Row counts that are
+    not whole tiles of 16 (17, 33, 100) keep their padding rows out of the result."""
+    _needs_amx_bf16()
+    layer = _layers()[name]
+    state = _state(layer)
+    wb = layer.dequantize(torch.float32).bfloat16().float()
+    g = torch.Generator().manual_seed(9)
+    for rows in (1, 16, 17, 33, 64, 100):
+        x = torch.randn(rows, 512, generator=g)
+        y = kernels.qbf16(x, *state, layer.out_features)
+        ref = F.linear(x.bfloat16().double(), wb.double()).float()
+        assert y.shape == (rows, layer.out_features)
+        assert float((y - ref).abs().max() / ref.abs().max()) < 1e-5, (name, rows)
+
+
+def test_a_rows_qbf16_result_is_the_same_bits_whatever_rows_run_with_it():
+    _needs_amx_bf16()
+    layer = _layers()["q4_1-f16"]
+    state = _state(layer)
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(10))
+    full = kernels.qbf16(x, *state, layer.out_features)
+    for rows in (17, 32, 33, 64):
+        assert torch.equal(kernels.qbf16(x[:rows], *state, layer.out_features), full[:rows]), rows
+
+
+def test_qtile_and_qbf16_in_one_plan_share_one_packed_layout():
+    _needs_amx_bf16()
+    layer = _layers()["q4_1-f16"]
+    plan = seam.build_plan(layer, [(16, "qtile"), (None, "qbf16")])
+    assert plan.state_of("qtile") is plan.state_of("qbf16")
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(11))
+    ref = F.linear(x, layer.dequantize(torch.float32))
+    for rows in (5, 40):                      # qtile, then qbf16
+        assert float((plan(x[:rows], layer) - ref[:rows]).abs().max() / ref.abs().max()) < 2 ** -6

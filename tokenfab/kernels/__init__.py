@@ -74,6 +74,7 @@ _SIGNATURES = {
     "tf_qtile": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_qtile_ref": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_qtile_vnni": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
+    "tf_qbf16": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_decode_layers": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I, _F],
 }
 QGEMM_MAX_ROWS = 16     # rows tf_qgemm takes (8 per pass over W, TF_MAX_ROWS in cpu.c); 2-core VM: beats the
@@ -178,6 +179,7 @@ def _build() -> ctypes.CDLL | None:
     lib.tf_isa.argtypes, lib.tf_isa.restype = [], ctypes.c_int64
     lib.tf_amx_available.argtypes, lib.tf_amx_available.restype = [], ctypes.c_int64
     lib.tf_qtile_vnni.restype = ctypes.c_int64
+    lib.tf_amx_bf16_available.argtypes, lib.tf_amx_bf16_available.restype = [], ctypes.c_int64
     _isa = isa
     return lib
 
@@ -409,6 +411,25 @@ def qtile(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     fn = {"auto": _lib.tf_qtile, "reference": _lib.tf_qtile_ref, "vnni": _lib.tf_qtile_vnni}[path]
     fn(y.data_ptr(), x.data_ptr(), M, K, out_features, q.data_ptr(), d.data_ptr(),
        None if m is None else m.data_ptr(), group_size, bits & ~QTILE_FLAG)
+    return y
+
+
+def amx_bf16_available() -> bool:
+    """True when the loaded kernels can run AMX bf16 tiles here (amx_bf16 besides what `amx_available` needs)."""
+    return enabled() and bool(_lib.tf_amx_bf16_available())
+
+
+def qbf16(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group_size: int, bits: int,
+          out_features: int) -> torch.Tensor:
+    """x [M, K] @ a qtile layout (`qtile_pack`) on AMX bf16 tiles (tf_qbf16), float32 [M, out]: the weights
+    expanded to bf16 per tile of 16 outputs inside the kernel (as the bf16 float copy holds them), x
+    rounded to bf16 (as the bf16 kernel rounds it), float32 sums. Needs `amx_bf16_available()`."""
+    M, K = x.shape
+    xb = torch.zeros(-(-M // 16) * 16, K, dtype=torch.bfloat16)       # whole tiles of 16 rows, padding zero
+    xb[:M] = x
+    y = torch.empty(M, out_features)
+    _lib.tf_qbf16(y.data_ptr(), xb.data_ptr(), M, K, out_features, q.data_ptr(), d.data_ptr(),
+                  None if m is None else m.data_ptr(), group_size, bits & ~QTILE_FLAG)
     return y
 
 

@@ -1937,8 +1937,151 @@ tf_qtile_tile(const int M, float *y, int64_t N, const int8_t *a, const float *dx
         case 9: case 10: case 11: case 12: tf_qtile_tile(12, __VA_ARGS__); break;     \
         default: tf_qtile_tile(16, __VA_ARGS__); break;                               \
     }
+
+/* ---------------------------------------------------------------------------------------------------------
+ * tf_qbf16: many activation rows (decode batches above 16 rows, prefill chunks) times a qtile layout on AMX
+ * bf16 tiles (kernel "qbf16", tokenfab/quant/kernels.py). Above 16 rows tf_qtile pays its per-block
+ * scaling once per row and block (its int32 dots need the block's scales before they can be summed), and
+ * the bf16 float copy (kernel "bf16", oneDNN) reads 2 bytes per weight from memory. Here each tile of 16
+ * outputs is expanded once per call into bf16 B tiles in a per-thread buffer (w = q d + m in float32,
+ * rounded to bf16 as the float copy is: the same weights), then every group of 32 rows runs one TDPBF16PS
+ * per block and keeps its float32 sums in tiles across all blocks, stored once. The weights stream as
+ * their quantized bytes, and no float copy is kept. Activations are rounded to bf16 as the bf16 kernel
+ * rounds them (x: bf16 [rows rounded up to 16, K], the padding rows zero). */
+int64_t tf_amx_bf16_available(void) {
+    unsigned a, b, c, dd;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(dd) : "a"(7), "c"(0));
+    return (dd >> 22 & 1) && tf_amx_available();          /* CPUID 7.0 EDX bit 22: amx_bf16 */
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) static void tf_qbf16_config(void) {
+    tf_tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;    /* C 0-3, A 4 5, B 6 7: 16 rows of 64 bytes */
+    _tile_loadconfig(&c);
+}
+
+/* One block of a tile as 16 bf16 B rows (row j: inputs 2j, 2j + 1 of each of the 16 outputs, 64 bytes), from
+ * its qtile bytes (8 rows of 16 outputs x 4 inputs; int4: chunk c's low / high nibbles are rows 2c / 2c + 1).
+ * s, mo: the block's 16 scales and (int4) offsets. */
+__attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) static inline void
+tf_qbf16_block(uint16_t *B, const uint8_t *wb, int64_t bits, __m512 s, __m512 mo) {
+    __m512 sq[4], mq[4];
+    for (int k = 0; k < 4; k++) {          /* lanes of quarter k: outputs 4k + l / 4 (4 inputs each) */
+        const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * k),
+                                             _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
+        sq[k] = _mm512_permutexvar_ps(idx, s);
+        mq[k] = _mm512_permutexvar_ps(idx, mo);
+    }
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m512i m4 = _mm512_set1_epi32(0x0F);
+    for (int i = 0; i < 8; i++) {
+        __m512 w[4];
+        for (int k = 0; k < 4; k++) {       /* quarter k: bytes 16k.. = outputs 4k..4k+3, 4 inputs each */
+            __m512i v;
+            if (bits == 8) v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wb + i * 64 + 16 * k)));
+            else {                           /* int4: row i is chunk i / 2's low (even i) or high nibbles */
+                v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wb + (i / 2) * 64 + 16 * k)));
+                v = _mm512_and_si512(i & 1 ? _mm512_srli_epi32(v, 4) : v, m4);
+            }
+            const __m512 f = _mm512_cvtepi32_ps(v);
+            w[k] = bits == 8 ? _mm512_mul_ps(f, sq[k]) : _mm512_fmadd_ps(f, sq[k], mq[k]);
+        }
+        /* bf16 words 4n + j (n = output, j = input 4i + j) of outputs 0-7, then 8-15: dword 2n holds inputs
+         * 4i, 4i + 1 of output n, dword 2n + 1 inputs 4i + 2, 4i + 3 */
+        const __m512i p01 = (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]), p23 = (__m512i)_mm512_cvtne2ps_pbh(w[3], w[2]);
+        _mm512_store_si512((void *)(B + (2 * i) * 32), _mm512_permutex2var_epi32(p01, even, p23));
+        _mm512_store_si512((void *)(B + (2 * i + 1) * 32), _mm512_permutex2var_epi32(p01, odd, p23));
+    }
+}
+
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
+void tf_qbf16(float *y, const uint16_t *xb, int64_t M, int64_t K, int64_t N, const void *q, const void *d,
+              const void *m, int64_t gs, int64_t bits) {
+    if (M <= 0) return;
+    const int half = (bits & TF_QTILE_HALF) != 0;
+    bits &= ~TF_QTILE_HALF;
+    const int64_t nb = K / 32, G = K / gs, bpg = gs / 32, ntiles = N / 16, tb = bits == 8 ? 512 : 256;
+    const int64_t es = half ? 2 : 4, Mp = (M + 15) / 16 * 16;
+    const int64_t npairs = (ntiles + 1) / 2;
+#pragma omp parallel if (ntiles >= 8)
+    {
+        tf_qbf16_config();
+        uint16_t *B = (uint16_t *)aligned_alloc(64, (size_t)(2 * nb * 1024));   /* two tiles' bf16 B rows */
+        float ct[16][16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t pi = 0; pi < npairs; pi++) {
+            /* tiles t0 and t0 + 1 (one where N / 16 is odd): each A tile loaded serves both */
+            const int64_t t0 = 2 * pi, nt = t0 + 1 < ntiles ? 2 : 1;
+            for (int64_t u = 0; u < nt; u++) {
+                const int64_t t = t0 + u;
+                const uint8_t *qt = (const uint8_t *)q + t * nb * tb;
+                const char *dt = (const char *)d + t * 16 * G * es, *mt = bits == 4 ? (const char *)m + t * 16 * G * es : NULL;
+                for (int64_t b = 0; b < nb; b++)
+                    tf_qbf16_block(B + (u * nb + b) * 512, qt + b * tb, bits, tf_ld16(dt, b / bpg * 16, half),
+                                   mt ? tf_ld16(mt, b / bpg * 16, half) : _mm512_setzero_ps());
+            }
+            TF_MEMBAR();
+            const uint16_t *B1 = B + nb * 512;
+            for (int64_t r0 = 0; r0 < Mp; r0 += 32) {
+                /* C[2 h + u]: rows r0 + 16 h.., tile t0 + u; A tiles 4, 5 (rows), B tiles 6, 7 (the two tiles) */
+                const int two = r0 + 16 < Mp;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t b = 0; b < nb; b++) {
+                    _tile_loadd(6, B + b * 512, 64);
+                    _tile_loadd(4, xb + r0 * K + b * 32, K * 2);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (nt == 2) {
+                        _tile_loadd(7, B1 + b * 512, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                    if (two) {
+                        _tile_loadd(5, xb + (r0 + 16) * K + b * 32, K * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (nt == 2) _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                for (int h = 0; h < 1 + two; h++)
+                    for (int64_t u = 0; u < nt; u++) {
+                        const int64_t rb = r0 + 16 * h;
+                        float *yt = y + rb * N + (t0 + u) * 16;
+                        if (rb + 16 <= M) {
+                            switch (2 * h + u) {
+                                case 0: _tile_stored(0, yt, N * 4); break;
+                                case 1: _tile_stored(1, yt, N * 4); break;
+                                case 2: _tile_stored(2, yt, N * 4); break;
+                                default: _tile_stored(3, yt, N * 4); break;
+                            }
+                        } else if (rb < M) {            /* the last rows: through a buffer, padding dropped */
+                            switch (2 * h + u) {
+                                case 0: _tile_stored(0, ct, 64); break;
+                                case 1: _tile_stored(1, ct, 64); break;
+                                case 2: _tile_stored(2, ct, 64); break;
+                                default: _tile_stored(3, ct, 64); break;
+                            }
+                            TF_MEMBAR();
+                            for (int64_t r = rb; r < M; r++) memcpy(yt + (r - rb) * N, ct[r - rb], 64);
+                        }
+                    }
+                TF_MEMBAR();
+            }
+        }
+        free(B);
+        _tile_release();
+    }
+}
 #else
 int64_t tf_amx_available(void) { return 0; }
+int64_t tf_amx_bf16_available(void) { return 0; }
+void tf_qbf16(float *y, const uint16_t *xb, int64_t M, int64_t K, int64_t N, const void *q, const void *d,
+              const void *m, int64_t gs, int64_t bits) {
+    (void)y, (void)xb, (void)M, (void)K, (void)N, (void)q, (void)d, (void)m, (void)gs, (void)bits;
+}
 #endif
 
 /* y[M, N] = x[M, K] @ W^T from a qtile layout: AMX where the process may use it, else the reference. */

@@ -35,6 +35,7 @@ class LinearKernel(Protocol):
                                     # such kernels also say copy_bytes, bytes per weight)
     rank: int                       # preference when measured times tie (lower first)
     lossy: bool                     # rounds activations below the compute dtype (chosen only when much faster)
+    # optional: layout: str         # kernels naming the same layout share one prepared state in a plan
 
     def supports(self, layer: "KernelLinear") -> str | None:
         """None when it can run `layer` on this machine, else why not (said to a user who forced it)."""
@@ -138,9 +139,10 @@ def build_plan(layer: "KernelLinear", ranges: list[tuple[int | None, str]]) -> L
         if why is not None:
             raise ValueError(f"linear kernel {name!r} cannot run this {layer.weight_format} layer "
                              f"({layer.out_features}x{layer.in_features}): {why}")
-        if name not in states:
-            states[name] = k.prepare(layer)
-        choices.append(Choice(rows, k, states[name]))
+        key = getattr(k, "layout", name)      # kernels that read one layout share its prepared state
+        if key not in states:
+            states[key] = k.prepare(layer)
+        choices.append(Choice(rows, k, states[key]))
     return LinearPlan(choices)
 
 

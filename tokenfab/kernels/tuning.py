@@ -267,15 +267,18 @@ def _well_formed(e) -> bool:
 def _pick(order: list[str], times: dict[str, float], lossy: set[str] = frozenset()) -> str:
     """The best-ranked kernel in `order` unless a later one is TIE_MARGIN (LOSSY_MARGIN for a lossy
     kernel) faster than the best before it: noise on a shared machine must not flip choices."""
+    def tie_pick(names):
+        best = names[0]
+        for k in names[1:]:
+            if times[k] < times[best] * (1 - TIE_MARGIN):
+                best = k
+        return best
+
     precise = [k for k in order if k not in lossy] or order
-    best = precise[0]
-    for k in precise[1:]:
-        if times[k] < times[best] * (1 - TIE_MARGIN):
-            best = k
-    for k in order:
-        if k in lossy and times[k] < times[best] * (1 - LOSSY_MARGIN):
-            best = k
-    return best
+    best = tie_pick(precise)
+    # lossy kernels of one precision (bf16 activations) compete among themselves as precise ones do
+    faster = [k for k in order if k in lossy and times[k] < times[best] * (1 - LOSSY_MARGIN)]
+    return tie_pick(faster) if faster else best
 
 
 def _time_rotating(kernel, states, layers, x) -> float:

@@ -31,7 +31,7 @@ from tokenfab import kernels as cpu_kernels
 from tokenfab.kernels.linear import KQUANT_FORMATS, register
 
 KERNEL_ALIASES = {"cpu": "qgemm"}     # the C kernel's name before the registry (CLI --kernel cpu)
-KERNELS = ("auto", "qgemm", "cpu", "qdot", "qtile", "packed", "float", "dequant")   # what `quant eval --kernel` offers
+KERNELS = ("auto", "qgemm", "cpu", "qdot", "qtile", "qbf16", "packed", "float", "dequant")   # what `quant eval --kernel` offers
 
 
 def _on_cpu(layer) -> bool:
@@ -133,6 +133,8 @@ class QTile:
         # (TOKENFAB_NO_AMX=1) 0.3 (2 rows 1.35x, 5 rows 2.3x, 8 rows 3.0x); the speculative policy prices drafts by it
         return 0.06 if cpu_kernels.amx_available() else 0.3
 
+    layout = "qtile"                  # build_plan shares the prepared state with qbf16
+
     def prepare(self, layer):
         return cpu_kernels.qtile_pack(layer.cpu_layout(), layer.out_features)   # bits | QTILE_FLAG: the stack runs it
 
@@ -143,6 +145,34 @@ class QTile:
         if bits & ~(cpu_kernels.QTILE_FLAG | cpu_kernels.QTILE_HALF) == 4 and x.shape[1] != q.shape[1] * 2:   # int4 rows padded to whole groups
             x = F.pad(x, (0, q.shape[1] * 2 - x.shape[1]))
         return cpu_kernels.qtile(x, q, d, m, gs, bits, layer.out_features)
+
+
+class QBf16:
+    """tf_qbf16 (tokenfab/kernels/cpu.c): big batches and prefill chunks on AMX bf16 tiles, reading the qtile
+    layout (the same state as qtile: no second copy). Each tile of 16 outputs is expanded to bf16 inside the
+    kernel, once per call, as the bf16 float copy holds its weights; activations are rounded to bf16 as the
+    bf16 kernel rounds them; sums in float32. So it computes what "bf16" computes without keeping its 2-byte
+    float copy: the weights stream at their quantized size. Lossy (bf16 activations) as "bf16" is, so the
+    table takes it only where it is LOSSY_MARGIN faster than the precise kernels. Needs AMX bf16."""
+    name, formats, tune_max_rows, float_copy = "qbf16", ("int8", "int4", "q8_0"), None, False
+    rank, lossy = 1, True             # ahead of bf16 / packed on a tie: no float copy to keep
+    layout = "qtile"                  # build_plan shares one prepared state between kernels of one layout
+
+    def supports(self, layer):
+        why = QTile().supports(layer)
+        if why is not None:
+            return why
+        if not cpu_kernels.amx_bf16_available():
+            return "it needs AMX bf16 tiles (amx_bf16 in /proc/cpuinfo, Sapphire Rapids or newer)"
+        return None
+
+    prepare = QTile.prepare
+
+    def run(self, state, x, layer):
+        q, d, m, gs, bits = state
+        if bits & ~(cpu_kernels.QTILE_FLAG | cpu_kernels.QTILE_HALF) == 4 and x.shape[1] != q.shape[1] * 2:
+            x = F.pad(x, (0, q.shape[1] * 2 - x.shape[1]))
+        return cpu_kernels.qbf16(x, q, d, m, gs, bits, layer.out_features).to(x.dtype)
 
 
 class Packed:
@@ -180,7 +210,7 @@ class W8A8:
         return w8a8_linear(x, state).to(x.dtype)
 
 
-for _k in (QGemm(), QDot(), QTile(), Packed(), W8A8()):
+for _k in (QGemm(), QDot(), QTile(), QBf16(), Packed(), W8A8()):
     register(_k)
 
 
