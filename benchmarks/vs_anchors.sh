@@ -12,7 +12,6 @@
 #   bash benchmarks/vs_anchors.sh [OUT_DIR]
 #   VLLM=0 bash benchmarks/vs_anchors.sh [OUT_DIR]      # llama.cpp and tokenfab only
 #   INT8ACT=1 bash benchmarks/vs_anchors.sh [OUT_DIR]   # also tokenfab --int8-activations
-#   KV16=1 bash benchmarks/vs_anchors.sh [OUT_DIR]      # also tokenfab --kv-cache-dtype float16
 #   LLAMA=0 BASELINE=/tmp/old-checkout bash benchmarks/vs_anchors.sh [OUT_DIR]   # no llama.cpp; old tokenfab first
 #   MODEL=gemma3-270m CONC=32 bash benchmarks/vs_anchors.sh [OUT_DIR]
 #       another GGUF (any name or path `tokenfab serve MODEL` takes) in both llama-server and tokenfab;
@@ -96,12 +95,6 @@ if [ "${INT8ACT:-0}" = 1 ]; then
   RUNS+=(tokenfab-i8); add_label tokenfab-int8act
 fi
 
-# KV16=1 adds a run with float16 KV pools (--kv-cache-dtype float16: half the bytes decode attention reads; lossy).
-if [ "${KV16:-0}" = 1 ]; then
-  tokenfab serve ${MODEL:+"$MODEL"} --port "$PORT" --no-access-log --log-level warning --kv-cache-dtype float16 >"$OUT/tokenfab-kv16.log" 2>&1 & PID=$!
-  wait_up; load tokenfab-kv16; kill $PID; wait $PID 2>/dev/null || true
-  RUNS+=(tokenfab-kv16); add_label tokenfab-kv16
-fi
 
 for c in "${CONC[@]}" prefill; do
   echo "== $c$([ "$c" = prefill ] || echo ' stream(s)'): ${LABELS//,/ vs }"

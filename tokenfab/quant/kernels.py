@@ -129,9 +129,10 @@ class QTile:
     @property
     def row_cost(self) -> float:
         # a decode step's cost per extra row, relative to 1 row (decoder stack + LM head, bundled model,
-        # 1 thread, benchmarks/verify_row_cost.py): AMX 0.06 (5 rows 1.25x, 8 rows 1.51x); VNNI alone
-        # (TOKENFAB_NO_AMX=1) 0.3 (2 rows 1.35x, 5 rows 2.3x, 8 rows 3.0x); the speculative policy prices drafts by it
-        return 0.06 if cpu_kernels.amx_available() else 0.3
+        # 1 thread, benchmarks/verify_row_cost.py): AMX 0.13 (5 rows 1.55x, 8 rows 1.86x; 1 row on VNNI,
+        # which made 1 row cheaper: 0.06 before); VNNI alone (TOKENFAB_NO_AMX=1) 0.3 (2 rows 1.35x, 5 rows
+        # 2.3x, 8 rows 3.0x); the speculative policy prices drafts by it until it has measured its own
+        return 0.13 if cpu_kernels.amx_available() else 0.3
 
     layout = "qtile"                  # build_plan shares the prepared state with qbf16
 

@@ -42,7 +42,7 @@ MAX_RATE = 0.95       # the most acceptance the rule assumes: a run of accepted 
 # dot products), so rows are not free as they would be on a bandwidth-bound kernel.
 ROW_COST = 0.42
 # A kernel whose extra rows cost less declares its own `row_cost` (tokenfab/quant/kernels.py: qtile, the AMX
-# tile kernel, 0.06); the engine's policy takes the value of the kernel its decoder runs (`row_cost_of`).
+# tile kernel, 0.13); the engine's policy takes the value of the kernel its decoder runs (`row_cost_of`).
 # Both are priors: the measured cost (StepCosts) replaces them once the engine has timed a verification.
 MIN_GAIN = 1.05       # expected speedup a round must promise
 BACKOFF_MIN, BACKOFF_MAX = 16, 256
