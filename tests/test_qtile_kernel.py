@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tokenfab import kernels
 from tokenfab.kernels import linear as seam
 from tokenfab.kernels.tuning import KernelTable, select_kernels
-from tests.test_qdot_kernels import _layers as qdot_layers
+from tests.test_qdot_kernels import _layers as qdot_layers, isa  # noqa: F401 (isa: a fixture)
 from tokenfab.quant.linear import Int4Linear, Int8Linear, Q4_1Linear, Q8_0Linear
 
 ROWS = (1, 2, 3, 5, 8, 9, 12, 16, 17, 40)
@@ -96,6 +96,19 @@ def test_amx_tiles_give_the_plain_c_references_bits(name):
         tiles = kernels.qtile(xr, *state, layer.out_features)
         plain = kernels.qtile(xr, *state, layer.out_features, path="reference")
         assert torch.equal(tiles, plain), (name, rows)
+
+
+def test_every_isa_variant_gives_the_references_bits(isa):
+    """Each C build this CPU runs (avx2: the reference loop; avx512: AMX alone; avx512_vnni: AMX and VNNI)
+    computes qtile's bits; only the avx512_vnni build offers the VNNI path."""
+    assert kernels.qtile_vnni_available() == (isa == "avx512_vnni")
+    for name in ("int4-g32", "q8_0-f16"):
+        layer = _layers()[name]
+        state = _state(layer)
+        x = torch.randn(17, 512, generator=torch.Generator().manual_seed(12))
+        for rows in (1, 5, 17):
+            auto = kernels.qtile(x[:rows], *state, layer.out_features)
+            assert torch.equal(auto, kernels.qtile(x[:rows], *state, layer.out_features, path="reference")), (isa, name, rows)
 
 
 def _needs_vnni():
