@@ -19,10 +19,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
         self.c_kernel = False          # set once at load by the cpu attention backend (model/backends.py)
+        self.feeds = None              # the KernelLinear reading this norm's output, where the cpu backend
+                                       # lets it take bfloat16 rows (its "bf16" kernel's rounding, done here)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.c_kernel:               # one C call (tokenfab/kernels); differs from torch in the last bit
-            return kernels.rms_norm(x, self.weight, self.eps)
+            bf16 = self.feeds is not None and self.feeds.takes_bf16(x.numel() // x.shape[-1])
+            return kernels.rms_norm(x, self.weight, self.eps, torch.bfloat16 if bf16 else torch.float32)
         if x.dtype == torch.float32:   # one fused op, bit-identical to the reference below in float32
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype

@@ -63,6 +63,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.c_kernel:       # the one-call decode stack's kernels, so both paths give the same logits
+            if gate_up.dtype == torch.bfloat16:    # x came bf16 from the norm (RMSNorm.feeds), for the bf16 GEMM
+                if not self.gelu and self.down_proj.takes_bf16(gate_up.shape[0]):
+                    return self.down_proj(kernels.silu_mul(gate_up)).float()   # bf16 in, bf16 out, same bits
+                gate_up = gate_up.float()
             return self.down_proj(kernels.gelu_tanh_mul(gate_up) if self.gelu else kernels.silu_mul(gate_up))
         if self.gelu:
             gate, up = gate_up.split(self.inter, dim=-1)
