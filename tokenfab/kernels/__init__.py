@@ -61,6 +61,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "tf_rms_norm": [_P, _P, _P, _I, _I, _F],
     "tf_rms_norm_bf16": [_P, _P, _P, _I, _I, _F],
+    "tf_add_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _F, _I, _I],
     "tf_rope_write_kv": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
     "tf_decode_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F],
     "tf_decode_attention_window": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
@@ -273,6 +274,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
     fn = _lib.tf_rms_norm_bf16 if out_dtype == torch.bfloat16 else _lib.tf_rms_norm
     fn(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.numel() // D, D, eps)
     return out
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm in one pass: (rms_norm(x + y), x + y). x float32; y float32 or
+    bfloat16 (a bf16 GEMM's result); the norm float32 or bfloat16, rounded as in `rms_norm`."""
+    x, y = x.contiguous(), y.contiguous()
+    total = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=out_dtype)
+    D = x.shape[-1]
+    _lib.tf_add_rms_norm(total.data_ptr(), out.data_ptr(), x.data_ptr(), y.data_ptr(), weight.data_ptr(),
+                         x.numel() // D, D, eps, int(y.dtype == torch.bfloat16), int(out_dtype == torch.bfloat16))
+    return out, total
 
 
 def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,

@@ -562,6 +562,38 @@ void tf_decode_attention(float *out, const float *q, int64_t q_stride, const flo
                               bs, scale, 0);
 }
 
+/* The residual add and the next RMSNorm in one pass: sum[t] = x[t] + y[t], out[t] = rms_norm(sum[t]) (as
+ * tf_rms_norm). y float32, or bfloat16 (y_bf16: a bf16 GEMM's result, widened exactly); out float32, or
+ * bfloat16 (out_bf16, rounded as tf_rms_norm_bf16). The same bits as torch's x + y, then the norm kernel. */
+void tf_add_rms_norm(float *sum, void *out, const float *x, const void *y, const float *w, int64_t T, int64_t D,
+                     float eps, int64_t y_bf16, int64_t out_bf16) {
+#pragma omp parallel if (T >= 8)
+    {
+        float *row = out_bf16 ? malloc(D * sizeof(float)) : NULL;
+#pragma omp for
+        for (int64_t t = 0; t < T; t++) {
+            const float *xr = x + t * D;
+            float *s = sum + t * D;
+            if (y_bf16) {
+                const uint16_t *yr = (const uint16_t *)y + t * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) s[d] = xr[d] + tf_from_bf16(yr[d]);
+            } else {
+                const float *yr = (const float *)y + t * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) s[d] = xr[d] + yr[d];
+            }
+            if (out_bf16) {
+                tf_rms_norm_row(row, s, w, D, eps);
+                tf_narrow_row((uint16_t *)out + t * D, row, D);
+            } else {
+                tf_rms_norm_row((float *)out + t * D, s, w, D, eps);
+            }
+        }
+        free(row);
+    }
+}
+
 /* One row of tf_silu_mul: o[i] = silu(g[i]) * u[i] (shared with tf_silu_mul_bf16). */
 static inline __attribute__((always_inline)) void tf_silu_mul_row(float *o, const float *g, const float *u, int64_t I) {
     int64_t i = 0;

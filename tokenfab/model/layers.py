@@ -33,6 +33,15 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
+    def add_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + y), x + y): a residual add and this norm, one C pass where the kernels run (y may be
+        a bf16 GEMM's bfloat16 result; the sum is x's dtype, as torch's type promotion gives)."""
+        if self.c_kernel:
+            bf16 = self.feeds is not None and self.feeds.takes_bf16(x.numel() // x.shape[-1])
+            return kernels.add_rms_norm(x, y, self.weight, self.eps, torch.bfloat16 if bf16 else torch.float32)
+        total = x + y
+        return self(total), total
+
 
 class RotaryEmbedding(nn.Module):
     """Non-interleaved RoPE ("rotate half"), with cos/sin tables precomputed for every position.

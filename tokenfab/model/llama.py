@@ -35,6 +35,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = TorchPagedAttention(self.h, self.kvh, self.d, block_size)
         self.backend = None                 # the model's AttentionBackend (model/backends.py), set at load
+        self.o_bf16 = False                 # the backend may hand o_proj bfloat16 rows (set at load by it)
 
     def forward(self, x, rope: RotaryEmbedding, rope_tables, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -93,8 +94,9 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, rope_tables, kv, meta))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), rope, rope_tables, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), rope,
+                                                                             rope_tables, kv, meta))
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):
