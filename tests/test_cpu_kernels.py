@@ -38,6 +38,20 @@ def test_rms_norm_bf16_out_is_the_float32_result_rounded_as_torch_rounds(rows, d
     assert torch.equal(_bits(out), _bits(kernels.rms_norm(x, w, 1e-5).to(torch.bfloat16)))
 
 
+@pytest.mark.parametrize("y_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, dim", [(512, 576), (3, 577)])
+def test_add_rms_norm_gives_the_bits_of_the_residual_add_then_the_norm(rows, dim, y_dtype, out_dtype):
+    torch.manual_seed(dim)
+    x, y, w = torch.randn(rows, dim) * 3, (torch.randn(rows, dim) * 2).to(y_dtype), torch.randn(dim)
+    out, total = kernels.add_rms_norm(x, y, w, 1e-5, out_dtype)
+    assert total.dtype == torch.float32 and out.dtype == out_dtype
+    assert torch.equal(total, x + y)                       # torch promotes a bf16 y to float32 exactly
+    ref = kernels.rms_norm(x + y, w, 1e-5).to(out_dtype)
+    assert torch.equal(_bits(out) if out_dtype == torch.bfloat16 else out,
+                       _bits(ref) if out_dtype == torch.bfloat16 else ref)
+
+
 @pytest.mark.parametrize("rows, inter", [(512, 1536), (3, 13), (9, 1536)])
 def test_silu_mul_bf16_gives_the_bits_of_widen_float32_kernel_round(rows, inter):
     torch.manual_seed(inter)
