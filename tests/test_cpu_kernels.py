@@ -23,6 +23,48 @@ def test_silu_mul_matches_torch():
     torch.testing.assert_close(kernels.silu_mul(g), F.silu(g[:, :1536]) * g[:, 1536:], rtol=1e-6, atol=1e-6)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """bfloat16 bit patterns, every NaN as one (torch's vector and scalar conversions differ in NaN payload)."""
+    return torch.where(t.isnan(), torch.tensor(0x7fc0, dtype=torch.int16), t.view(torch.int16))
+
+
+@pytest.mark.parametrize("rows, dim", [(512, 576), (3, 577), (1, 64)])
+def test_rms_norm_bf16_out_is_the_float32_result_rounded_as_torch_rounds(rows, dim):
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, dim) * 3, torch.randn(dim)
+    x[0, :3] = torch.tensor([3e38, -1e-30, 0.0])          # near overflow, a denormal-sized product, zero
+    out = kernels.rms_norm(x, w, 1e-5, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert torch.equal(_bits(out), _bits(kernels.rms_norm(x, w, 1e-5).to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("y_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, dim", [(512, 576), (3, 577)])
+def test_add_rms_norm_gives_the_bits_of_the_residual_add_then_the_norm(rows, dim, y_dtype, out_dtype):
+    torch.manual_seed(dim)
+    x, y, w = torch.randn(rows, dim) * 3, (torch.randn(rows, dim) * 2).to(y_dtype), torch.randn(dim)
+    out, total = kernels.add_rms_norm(x, y, w, 1e-5, out_dtype)
+    assert total.dtype == torch.float32 and out.dtype == out_dtype
+    assert torch.equal(total, x + y)                       # torch promotes a bf16 y to float32 exactly
+    ref = kernels.rms_norm(x + y, w, 1e-5).to(out_dtype)
+    assert torch.equal(_bits(out) if out_dtype == torch.bfloat16 else out,
+                       _bits(ref) if out_dtype == torch.bfloat16 else ref)
+
+
+@pytest.mark.parametrize("rows, inter", [(512, 1536), (3, 13), (9, 1536)])
+def test_silu_mul_bf16_gives_the_bits_of_widen_float32_kernel_round(rows, inter):
+    torch.manual_seed(inter)
+    g = torch.randn(rows, 2 * inter) * 4
+    g[0, :8] = torch.tensor([-200.0, -90.0, -30.0, 30.0, 90.0, 200.0, float("inf"), float("nan")])
+    g = g.to(torch.bfloat16)
+    out = kernels.silu_mul(g)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, inter)
+    assert torch.equal(_bits(out), _bits(kernels.silu_mul(g.float()).to(torch.bfloat16)))
+    torch.testing.assert_close(out[1:].float(), (F.silu(g[1:, :inter].float()) * g[1:, inter:].float()),
+                               rtol=1e-2, atol=1e-2)    # and it is SwiGLU, to bf16 precision
+
+
 def test_gelu_tanh_mul_matches_torch_geglu():
     torch.manual_seed(1)
     g = torch.randn(9, 2 * 1027) * 4                 # 1027: the vector loop and its scalar tail

@@ -16,8 +16,9 @@ a compiler, or when the build fails, `enabled()` is False (one warning in the lo
 its torch path. TOKENFAB_CPU_KERNELS=0 turns them off (the torch path is the reference in tests and
 the baseline in benchmarks).
 
-Every wrapper takes float32, contiguous CPU tensors (checked by the caller's `usable` test) and
-writes its output in place; they are thin, because they run 60-120 times per decode step.
+Every wrapper takes float32, contiguous CPU tensors (checked by the caller's `usable` test; `rms_norm`
+may write and `silu_mul` take and write bfloat16, for the bf16 prefill GEMMs) and writes its output in
+place; they are thin, because they run 60-120 times per decode step.
 """
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ _forced_isa: str | None = None      # set_isa()
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "tf_rms_norm": [_P, _P, _P, _I, _I, _F],
+    "tf_rms_norm_bf16": [_P, _P, _P, _I, _I, _F],
+    "tf_add_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _F, _I, _I],
     "tf_rope_write_kv": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
     "tf_decode_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F],
     "tf_decode_attention_window": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
@@ -66,6 +69,7 @@ _SIGNATURES = {
     "tf_paged_decode_attention_f16": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
     "tf_rope_write_kv_f16": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
     "tf_silu_mul": [_P, _P, _I, _I],
+    "tf_silu_mul_bf16": [_P, _P, _I, _I],
     "tf_gelu_tanh_mul": [_P, _P, _I, _I],
     "tf_qgemm": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_kgemm": [_P, _P, _I, _I, _I, _P, _I],
@@ -263,12 +267,28 @@ def f16_pools(head_dim: int) -> str | None:
     return None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`out_dtype` torch.bfloat16: the float32 result rounded as `.to(torch.bfloat16)` would, in the same
+    pass (for a linear whose kernel takes bf16 activations, KernelLinear.takes_bf16)."""
     x = x.contiguous()
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=out_dtype)
     D = x.shape[-1]
-    _lib.tf_rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.numel() // D, D, eps)
+    fn = _lib.tf_rms_norm_bf16 if out_dtype == torch.bfloat16 else _lib.tf_rms_norm
+    fn(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.numel() // D, D, eps)
     return out
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm in one pass: (rms_norm(x + y), x + y). x float32; y float32 or
+    bfloat16 (a bf16 GEMM's result); the norm float32 or bfloat16, rounded as in `rms_norm`."""
+    x, y = x.contiguous(), y.contiguous()
+    total = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=out_dtype)
+    D = x.shape[-1]
+    _lib.tf_add_rms_norm(total.data_ptr(), out.data_ptr(), x.data_ptr(), y.data_ptr(), weight.data_ptr(),
+                         x.numel() // D, D, eps, int(y.dtype == torch.bfloat16), int(out_dtype == torch.bfloat16))
+    return out, total
 
 
 def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,
@@ -303,14 +323,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _glu(fn, gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     T, I2 = gate_up.shape
-    out = torch.empty(T, I2 // 2)
+    out = torch.empty(T, I2 // 2, dtype=gate_up.dtype)
     fn(out.data_ptr(), gate_up.data_ptr(), T, I2 // 2)
     return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] -> silu(first half) * second half, [T, I]."""
-    return _glu(_lib.tf_silu_mul, gate_up)
+    """[T, 2I] -> silu(first half) * second half, [T, I], float32 or bfloat16 (computed in float32 and
+    rounded once: the bits of `.float()`, the float32 kernel, `.to(torch.bfloat16)`)."""
+    return _glu(_lib.tf_silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else _lib.tf_silu_mul, gate_up)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:

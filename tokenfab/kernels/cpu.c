@@ -64,18 +64,58 @@ static inline float tf_softmax_row(float *pg, int64_t L) {
 }
 #endif
 
+/* One row of tf_rms_norm (o may be xr): shared with tf_rms_norm_bf16, so both give the same floats. */
+static inline __attribute__((always_inline)) void tf_rms_norm_row(float *o, const float *xr, const float *w,
+                                                                  int64_t D, float eps) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t d = 0; d < D; d++) ss += xr[d] * xr[d];
+    float inv = 1.f / sqrtf(ss / (float)D + eps);
+#pragma omp simd
+    for (int64_t d = 0; d < D; d++) o[d] = w[d] * (xr[d] * inv);
+}
+
 /* out[t] = w * x[t] / sqrt(mean(x[t]^2) + eps), as Hugging Face's LlamaRMSNorm in float32. */
 void tf_rms_norm(float *out, const float *x, const float *w, int64_t T, int64_t D, float eps) {
 #pragma omp parallel for if (T >= 8)
-    for (int64_t t = 0; t < T; t++) {
-        const float *xr = x + t * D;
-        float *o = out + t * D;
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t d = 0; d < D; d++) ss += xr[d] * xr[d];
-        float inv = 1.f / sqrtf(ss / (float)D + eps);
+    for (int64_t t = 0; t < T; t++) tf_rms_norm_row(out + t * D, x + t * D, w, D, eps);
+}
+
+/* bfloat16 <-> float32 as torch converts them: widening is exact; narrowing rounds to nearest, ties to
+ * even, and any NaN becomes the quiet NaN 0x7fc0 (c10::BFloat16's round_to_nearest_even). */
+static inline float tf_from_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t tf_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* float32 rows through `row` into a per-thread scratch, then narrowed to bfloat16: the kernels below
+ * write what their float32 twins followed by torch's .to(torch.bfloat16) would, in one pass over memory
+ * (a prefill chunk's activations feeding oneDNN's bf16 GEMM, kernel "bf16" in tokenfab/kernels/linear.py). */
+static inline void tf_narrow_row(uint16_t *o, const float *f, int64_t n) {
 #pragma omp simd
-        for (int64_t d = 0; d < D; d++) o[d] = w[d] * (xr[d] * inv);
+    for (int64_t i = 0; i < n; i++) o[i] = tf_to_bf16(f[i]);
+}
+
+/* tf_rms_norm writing bfloat16 rows (x and w float32). */
+void tf_rms_norm_bf16(uint16_t *out, const float *x, const float *w, int64_t T, int64_t D, float eps) {
+#pragma omp parallel if (T >= 8)
+    {
+        float *row = malloc(D * sizeof(float));
+#pragma omp for
+        for (int64_t t = 0; t < T; t++) {
+            tf_rms_norm_row(row, x + t * D, w, D, eps);
+            tf_narrow_row(out + t * D, row, D);
+        }
+        free(row);
     }
 }
 
@@ -522,21 +562,73 @@ void tf_decode_attention(float *out, const float *q, int64_t q_stride, const flo
                               bs, scale, 0);
 }
 
+/* The residual add and the next RMSNorm in one pass: sum[t] = x[t] + y[t], out[t] = rms_norm(sum[t]) (as
+ * tf_rms_norm). y float32, or bfloat16 (y_bf16: a bf16 GEMM's result, widened exactly); out float32, or
+ * bfloat16 (out_bf16, rounded as tf_rms_norm_bf16). The same bits as torch's x + y, then the norm kernel. */
+void tf_add_rms_norm(float *sum, void *out, const float *x, const void *y, const float *w, int64_t T, int64_t D,
+                     float eps, int64_t y_bf16, int64_t out_bf16) {
+#pragma omp parallel if (T >= 8)
+    {
+        float *row = out_bf16 ? malloc(D * sizeof(float)) : NULL;
+#pragma omp for
+        for (int64_t t = 0; t < T; t++) {
+            const float *xr = x + t * D;
+            float *s = sum + t * D;
+            if (y_bf16) {
+                const uint16_t *yr = (const uint16_t *)y + t * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) s[d] = xr[d] + tf_from_bf16(yr[d]);
+            } else {
+                const float *yr = (const float *)y + t * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) s[d] = xr[d] + yr[d];
+            }
+            if (out_bf16) {
+                tf_rms_norm_row(row, s, w, D, eps);
+                tf_narrow_row((uint16_t *)out + t * D, row, D);
+            } else {
+                tf_rms_norm_row((float *)out + t * D, s, w, D, eps);
+            }
+        }
+        free(row);
+    }
+}
+
+/* One row of tf_silu_mul: o[i] = silu(g[i]) * u[i] (shared with tf_silu_mul_bf16). */
+static inline __attribute__((always_inline)) void tf_silu_mul_row(float *o, const float *g, const float *u, int64_t I) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= I; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.f), tf_exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
 /* out[t] = silu(gate_up[t, :I]) * gate_up[t, I:], the SwiGLU activation of a fused gate/up row. */
 void tf_silu_mul(float *out, const float *gate_up, int64_t T, int64_t I) {
 #pragma omp parallel for if (T >= 8)
-    for (int64_t t = 0; t < T; t++) {
-        const float *g = gate_up + t * 2 * I, *u = g + I;
-        float *o = out + t * I;
-        int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        for (; i + 8 <= I; i += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.f), tf_exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+    for (int64_t t = 0; t < T; t++) tf_silu_mul_row(out + t * I, gate_up + t * 2 * I, gate_up + t * 2 * I + I, I);
+}
+
+/* tf_silu_mul on bfloat16 rows, bfloat16 out: the gate/up GEMM's bf16 result straight into the bf16 down
+ * projection. Widened exactly, computed as tf_silu_mul, rounded once (tf_to_bf16): the same bits as
+ * .float(), tf_silu_mul, .to(torch.bfloat16), without the two float32 tensors. */
+void tf_silu_mul_bf16(uint16_t *out, const uint16_t *gate_up, int64_t T, int64_t I) {
+#pragma omp parallel if (T >= 8)
+    {
+        float *row = malloc(3 * I * sizeof(float));     /* gate | up | result */
+#pragma omp for
+        for (int64_t t = 0; t < T; t++) {
+            const uint16_t *gu = gate_up + t * 2 * I;
+#pragma omp simd
+            for (int64_t i = 0; i < 2 * I; i++) row[i] = tf_from_bf16(gu[i]);
+            tf_silu_mul_row(row + 2 * I, row, row + I, I);
+            tf_narrow_row(out + t * I, row + 2 * I, I);
         }
-#endif
-        for (; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        free(row);
     }
 }
 

@@ -173,6 +173,14 @@ class KernelLinear(nn.Module):
         """What the measured table is keyed by: format and shape (layers alike in these time alike)."""
         return f"{self.weight_format}:{self.out_features}x{self.in_features}"
 
+    def takes_bf16(self, rows: int) -> bool:
+        """Whether a call of `rows` rows runs the "bf16" kernel, which rounds activations to bfloat16 on the
+        way in: a producer may then hand it bfloat16 rows (the same bits, one conversion fewer), and gets
+        bfloat16 back. Only where no bias or input scale would be applied to them first or after."""
+        plan = self.plan
+        return (plan is not None and plan.kernel_at(rows).kernel.name == "bf16" and self.bias is None
+                and self.input_scale_tensor is None)
+
     @property
     def input_scale_tensor(self) -> torch.Tensor | None:
         """A per-input-channel factor applied to x before the kernel (AWQ), or None."""
@@ -301,6 +309,7 @@ class BF16Copy:
         return torch.ops.mkldnn._reorder_linear_weight(layer.dequantize(torch.float32).to(torch.bfloat16).contiguous(), None)
 
     def run(self, state, x, layer):
+        # bfloat16 x (KernelLinear.takes_bf16: a norm or SiLU kernel wrote it) gets its bfloat16 result back
         y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16).contiguous(), state, None, "none", [], "")
         return y.to(x.dtype)
 

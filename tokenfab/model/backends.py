@@ -81,12 +81,14 @@ class CpuPagedAttention(TorchPagedAttention):
     (CpuBackend sets it per step under "auto": this step's qkv projection ran the bf16 kernel)."""
     bf16_rows: int | None = None
     bf16_now: bool = True
+    bf16_out: bool = False    # a bf16 chunk's output may stay bfloat16 (CpuBackend: the o projection takes it)
 
     def _prefill(self, q, k, v, k_cache, v_cache, p, window=None):
         if self.bf16_rows is None or not self.bf16_now or p.query_len < self.bf16_rows:
             return super()._prefill(q, k, v, k_cache, v_cache, p, window)
         b = torch.bfloat16        # a cached context is gathered and cast to q's dtype by the base class
-        return super()._prefill(q.to(b), k.to(b), v.to(b), k_cache, v_cache, p, window).to(q.dtype)
+        o = super()._prefill(q.to(b), k.to(b), v.to(b), k_cache, v_cache, p, window)
+        return o if self.bf16_out else o.to(q.dtype)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         return kernels.decode_attention(q.reshape(q.shape[0], -1), k_cache, v_cache, meta.decode_block_tables,
@@ -114,9 +116,11 @@ class CpuBackend(TorchBackend):
 
     def install(self, model) -> None:
         _set_c_ops(model, True)
+        _set_bf16_feeds(model)
         self._stack = None
 
     def attention(self, layer, qkv, rope, rope_tables, kv, meta):
+        qkv = qkv.float()           # bf16 rows from the bf16 GEMM on a norm's bf16 output (_set_bf16_feeds)
         if not self.c_attention or meta.positions is None:
             return super().attention(layer, qkv, rope, rope_tables, kv, meta)
         qkv = qkv.contiguous()
@@ -131,6 +135,7 @@ class CpuBackend(TorchBackend):
         if self.bf16_follows_qkv and meta.prefills:
             plan = getattr(layer.qkv_proj, "plan", None)
             self.cpu_paged.bf16_now = plan is not None and plan.kernel_at(T).kernel.name == "bf16"
+            self.cpu_paged.bf16_out = layer.o_bf16 and layer.o_proj.takes_bf16(T)
         return self.cpu_paged.attend(q, k, v, kv[0], kv[1], meta, layer.window)
 
     def run_stack(self, model, x, kv_caches, meta, num_layers=None) -> bool:
@@ -173,6 +178,29 @@ def _set_c_ops(model, on: bool) -> None:
     for m in model.modules():
         if isinstance(m, (RMSNorm, MLP)):
             m.c_kernel = on
+            if isinstance(m, RMSNorm):
+                m.feeds = None
+    for layer in model.layers:
+        layer.self_attn.o_bf16 = False
+
+
+def _set_bf16_feeds(model) -> None:
+    """Let each layer's pre-attention and pre-MLP norm write bfloat16 rows in steps where the linear it
+    feeds runs the bf16 kernel (KernelLinear.takes_bf16, decided per call by row count), and the SwiGLU
+    kernel read and write bf16 between the gate/up and down GEMMs: the kernels round as `.to(bfloat16)`
+    did, so the logits are unchanged, and a 512-token prefill skips four float32 round trips per layer.
+    A bf16 prefill chunk's attention output likewise stays bf16 into the o projection, whose bf16 result
+    the residual add reads as it is (RMSNorm.add_forward). Not for q/k-norm layers (their norms read the
+    qkv rows in float32 before attention), nor the o projection of sandwich-norm layers (a norm reads it)."""
+    from tokenfab.kernels.linear import KernelLinear
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        mlp_norm = layer.pre_feedforward_layernorm if layer.sandwich else layer.post_attention_layernorm
+        attn.o_bf16 = not layer.sandwich and isinstance(attn.o_proj, KernelLinear)
+        if attn.q_norm is None and isinstance(attn.qkv_proj, KernelLinear):
+            layer.input_layernorm.feeds = attn.qkv_proj
+        if isinstance(mlp.gate_up_proj, KernelLinear) and isinstance(mlp.down_proj, KernelLinear):
+            mlp_norm.feeds = mlp.gate_up_proj
 
 
 def _build_stack(model, kv_caches, cap: int) -> tuple | None:

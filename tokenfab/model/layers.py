@@ -19,16 +19,28 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
         self.c_kernel = False          # set once at load by the cpu attention backend (model/backends.py)
+        self.feeds = None              # the KernelLinear reading this norm's output, where the cpu backend
+                                       # lets it take bfloat16 rows (its "bf16" kernel's rounding, done here)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.c_kernel:               # one C call (tokenfab/kernels); differs from torch in the last bit
-            return kernels.rms_norm(x, self.weight, self.eps)
+            bf16 = self.feeds is not None and self.feeds.takes_bf16(x.numel() // x.shape[-1])
+            return kernels.rms_norm(x, self.weight, self.eps, torch.bfloat16 if bf16 else torch.float32)
         if x.dtype == torch.float32:   # one fused op, bit-identical to the reference below in float32
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + y), x + y): a residual add and this norm, one C pass where the kernels run (y may be
+        a bf16 GEMM's bfloat16 result; the sum is x's dtype, as torch's type promotion gives)."""
+        if self.c_kernel:
+            bf16 = self.feeds is not None and self.feeds.takes_bf16(x.numel() // x.shape[-1])
+            return kernels.add_rms_norm(x, y, self.weight, self.eps, torch.bfloat16 if bf16 else torch.float32)
+        total = x + y
+        return self(total), total
 
 
 class RotaryEmbedding(nn.Module):

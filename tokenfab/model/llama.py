@@ -35,6 +35,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = TorchPagedAttention(self.h, self.kvh, self.d, block_size)
         self.backend = None                 # the model's AttentionBackend (model/backends.py), set at load
+        self.o_bf16 = False                 # the backend may hand o_proj bfloat16 rows (set at load by it)
 
     def forward(self, x, rope: RotaryEmbedding, rope_tables, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -63,6 +64,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.c_kernel:       # the one-call decode stack's kernels, so both paths give the same logits
+            if gate_up.dtype == torch.bfloat16:    # x came bf16 from the norm (RMSNorm.feeds), for the bf16 GEMM
+                if not self.gelu and self.down_proj.takes_bf16(gate_up.shape[0]):
+                    return self.down_proj(kernels.silu_mul(gate_up)).float()   # bf16 in, bf16 out, same bits
+                gate_up = gate_up.float()
             return self.down_proj(kernels.gelu_tanh_mul(gate_up) if self.gelu else kernels.silu_mul(gate_up))
         if self.gelu:
             gate, up = gate_up.split(self.inter, dim=-1)
@@ -89,8 +94,9 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, rope_tables, kv, meta))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), rope, rope_tables, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), rope,
+                                                                             rope_tables, kv, meta))
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):
