@@ -101,6 +101,12 @@ class QDot:
         return cpu_kernels.qdot(x, q, d, m, gs, bits, layer.out_features)
 
 
+def _padded(state, x: torch.Tensor) -> torch.Tensor:
+    """x for a qtile layout: int4 rows padded to whole groups."""
+    q, bits = state[0], state[4] & ~(cpu_kernels.QTILE_FLAG | cpu_kernels.QTILE_HALF)
+    return F.pad(x, (0, q.shape[1] * 2 - x.shape[1])) if bits == 4 and x.shape[1] != q.shape[1] * 2 else x
+
+
 class QTile:
     """tf_qtile (tokenfab/kernels/cpu.c): a few activation rows times int4 / int8 / Q8_0 blocks on AMX int8
     tiles, one tile multiply per block for 16 outputs and every row at once (int16 activation blocks,
@@ -142,10 +148,7 @@ class QTile:
     def run(self, state, x, layer):
         if x.dtype is not torch.float32:
             return self.run(state, x.float(), layer).to(x.dtype)
-        q, d, m, gs, bits = state
-        if bits & ~(cpu_kernels.QTILE_FLAG | cpu_kernels.QTILE_HALF) == 4 and x.shape[1] != q.shape[1] * 2:   # int4 rows padded to whole groups
-            x = F.pad(x, (0, q.shape[1] * 2 - x.shape[1]))
-        return cpu_kernels.qtile(x, q, d, m, gs, bits, layer.out_features)
+        return cpu_kernels.qtile(_padded(state, x), *state, layer.out_features)
 
 
 class QBf16:
@@ -170,10 +173,7 @@ class QBf16:
     prepare = QTile.prepare
 
     def run(self, state, x, layer):
-        q, d, m, gs, bits = state
-        if bits & ~(cpu_kernels.QTILE_FLAG | cpu_kernels.QTILE_HALF) == 4 and x.shape[1] != q.shape[1] * 2:
-            x = F.pad(x, (0, q.shape[1] * 2 - x.shape[1]))
-        return cpu_kernels.qbf16(x, q, d, m, gs, bits, layer.out_features).to(x.dtype)
+        return cpu_kernels.qbf16(_padded(state, x), *state, layer.out_features).to(x.dtype)
 
 
 class Packed:
