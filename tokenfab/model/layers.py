@@ -24,8 +24,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.c_kernel:               # one C call (tokenfab/kernels); differs from torch in the last bit
-            bf16 = self.feeds is not None and self.feeds.takes_bf16(x.numel() // x.shape[-1])
-            return kernels.rms_norm(x, self.weight, self.eps, torch.bfloat16 if bf16 else torch.float32)
+            return kernels.rms_norm(x, self.weight, self.eps, self._c_out_dtype(x))
         if x.dtype == torch.float32:   # one fused op, bit-identical to the reference below in float32
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
@@ -33,12 +32,16 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
+    def _c_out_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """bfloat16 where the linear this norm feeds takes bf16 rows at this row count, else float32."""
+        bf16 = self.feeds is not None and self.feeds.takes_bf16(x.numel() // x.shape[-1])
+        return torch.bfloat16 if bf16 else torch.float32
+
     def add_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(x + y), x + y): a residual add and this norm, one C pass where the kernels run (y may be
         a bf16 GEMM's bfloat16 result; the sum is x's dtype, as torch's type promotion gives)."""
         if self.c_kernel:
-            bf16 = self.feeds is not None and self.feeds.takes_bf16(x.numel() // x.shape[-1])
-            return kernels.add_rms_norm(x, y, self.weight, self.eps, torch.bfloat16 if bf16 else torch.float32)
+            return kernels.add_rms_norm(x, y, self.weight, self.eps, self._c_out_dtype(x))
         total = x + y
         return self(total), total
 
