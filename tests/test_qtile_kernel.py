@@ -19,7 +19,7 @@ from tokenfab.kernels.tuning import KernelTable, select_kernels
 from tests.test_qdot_kernels import _layers as qdot_layers, isa  # noqa: F401 (isa: a fixture)
 from tokenfab.quant.linear import Int4Linear, Int8Linear, Q4_1Linear, Q8_0Linear
 
-ROWS = (1, 2, 3, 5, 8, 9, 12, 16, 17, 40)
+ROWS = (1, 2, 3, 5, 8, 9, 12, 16, 17, 29, 40, 64)   # above 16: groups of 16, the last of 1, 13 (padded to 16) or 8
 QMAX = 32639.0                 # tf_qtile's int16 range: q = 256 hi + lo with hi, lo both int8
 
 pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="tokenfab's C kernels are not built here")
