@@ -445,11 +445,10 @@ def qbf16(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     """x [M, K] @ a qtile layout (`qtile_pack`) on AMX bf16 tiles (tf_qbf16), float32 [M, out]: the weights
     expanded to bf16 per tile of 16 outputs inside the kernel (as the bf16 float copy holds them), x
     rounded to bf16 (as the bf16 kernel rounds it), float32 sums. Needs `amx_bf16_available()`."""
+    x = x.float().contiguous()
     M, K = x.shape
-    xb = torch.zeros(-(-M // 16) * 16, K, dtype=torch.bfloat16)       # whole tiles of 16 rows, padding zero
-    xb[:M] = x
     y = torch.empty(M, out_features)
-    _lib.tf_qbf16(y.data_ptr(), xb.data_ptr(), M, K, out_features, q.data_ptr(), d.data_ptr(),
+    _lib.tf_qbf16(y.data_ptr(), x.data_ptr(), M, K, out_features, q.data_ptr(), d.data_ptr(),
                   None if m is None else m.data_ptr(), group_size, bits & ~QTILE_FLAG)
     return y
 

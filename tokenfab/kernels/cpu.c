@@ -2092,13 +2092,18 @@ tf_qbf16_block(uint16_t *B, const uint8_t *wb, int64_t bits, __m512 s, __m512 mo
 }
 
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
-void tf_qbf16(float *y, const uint16_t *xb, int64_t M, int64_t K, int64_t N, const void *q, const void *d,
+void tf_qbf16(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const void *d,
               const void *m, int64_t gs, int64_t bits) {
     if (M <= 0) return;
     const int half = (bits & TF_QTILE_HALF) != 0;
     bits &= ~TF_QTILE_HALF;
     const int64_t nb = K / 32, G = K / gs, bpg = gs / 32, ntiles = N / 16, tb = bits == 8 ? 512 : 256;
     const int64_t es = half ? 2 : 4, Mp = (M + 15) / 16 * 16;
+    /* x rounded to bf16 (to nearest even, as torch's .to(torch.bfloat16)), whole tiles of 16 rows, padding zero */
+    uint16_t *xb = (uint16_t *)aligned_alloc(64, (size_t)(Mp * K * 2 + 63) / 64 * 64);
+    for (int64_t i = 0; i + 16 <= M * K; i += 16)
+        _mm256_storeu_si256((__m256i *)(xb + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+    memset(xb + M * K, 0, (size_t)((Mp - M) * K * 2));
     const int64_t npairs = (ntiles + 1) / 2;
 #pragma omp parallel if (ntiles >= 8)
     {
@@ -2168,6 +2173,7 @@ void tf_qbf16(float *y, const uint16_t *xb, int64_t M, int64_t K, int64_t N, con
         free(B);
         _tile_release();
     }
+    free(xb);
 }
 #else
 int64_t tf_amx_available(void) { return 0; }
