@@ -22,11 +22,11 @@ import os
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# tokenfab first: importing it sets OpenMP's spin wait (GOMP_SPINCOUNT), which libgomp reads when torch loads it
 from tokenfab import LLM, SamplingParams  # noqa: E402
+import torch  # noqa: E402
 from tokenfab.model.loader import load_model_files  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."

@@ -8,11 +8,12 @@ server, and `tokenfab generate` from 59.6 to 7.7 tok/s, while `--num-threads 1` 
 `ThreadController` watches each step's time against the running median of quiet steps of the same
 size (token count, in powers of two). `patience` steps in a row slower than `slow_factor` x that
 median, or fewer free cores than threads (/proc/stat's running tasks against our affinity mask),
-mean contention: it drops one thread. Fewer threads do not always help (with passive OpenMP waits
-two half-cores can still beat one two-thirds core), so the drop is a trial: the next `patience`
-steps' slowdown against the quiet median is compared with the slowdown that caused it, and unless
-the lower count is at least `min_gain` better the thread comes back and the count is held for
-`probe_every` steps. While lowered it probes one thread more every `probe_every` steps and keeps
+mean contention: it drops one thread. Fewer threads do not always help (with short OpenMP spin waits
+two half-cores can beat one two-thirds core), so the drop is a trial: `patience` steps at the lower
+count, then `patience` at the count before, both as slowdowns against the quiet median and under the
+same contention, and unless the lower count is at least `min_gain` better it stays at the count
+before, held there for `probe_every` steps. (Comparing the trial with the slow steps that caused the
+drop instead favoured dropping: those are the worst steps at that count, picked for being slow.) While lowered it probes one thread more every `probe_every` steps and keeps
 it when the probe step is no longer slow, so the count comes back when the contention ends. It
 only ever calls `set_threads`; the engine calls `observe` once per step.
 """
@@ -56,9 +57,9 @@ class ThreadController:
         self._slow_run = 0
         self._since_change = 0
         self._probing = False
-        self._slow_ratios: deque[float] = deque(maxlen=max(1, patience))   # slowdowns of the current slow run
-        self._trial: list[float] | None = None         # slowdowns since a drop, while judging it
-        self._before = 0.0                             # the slowdown that caused the drop
+        self._trial: list[float] | None = None         # slowdowns at the lower count, while judging a drop
+        self._control: list[float] | None = None       # then slowdowns back at the count before
+        self._low = 0.0                                # the trial's median slowdown
         self._hold = 0                                 # steps left before another drop may be tried
         self.reductions = 0                            # how often contention lowered the count (for logs/tests)
         self.reverts = 0                               # drops undone because fewer threads were no faster
@@ -79,15 +80,23 @@ class ThreadController:
         slow = ratio is not None and ratio > self.slow_factor
         self._since_change += 1
         self._hold = max(0, self._hold - 1)
-        if self._trial is not None:                # judging a drop: is the lower count faster?
+        if self._trial is not None:                # judging a drop: the lower count's steps first
             if ratio is not None:
                 self._trial.append(ratio)
             if len(self._trial) >= self.patience:
-                if statistics.median(self._trial) > (1 - self.min_gain) * self._before:
-                    self._change(self.threads + 1)  # no better: take the thread back, and keep it a while
-                    self._hold = self.probe_every
+                self._low, self._trial, self._control = statistics.median(self._trial), None, []
+                self._change(self.threads + 1)      # then the count before, under the same contention
+            return self.threads
+        if self._control is not None:
+            if ratio is not None:
+                self._control.append(ratio)
+            if len(self._control) >= self.patience:
+                if self._low < (1 - self.min_gain) * statistics.median(self._control):
+                    self._change(self.threads - 1)  # the lower count was faster: keep it
+                else:
+                    self._hold = self.probe_every  # no better: stay, and hold off the next drop a while
                     self.reverts += 1
-                self._trial = None
+                self._control = None
             return self.threads
         if self._probing:                          # the step just run had one thread more than before
             self._probing = False
@@ -97,14 +106,11 @@ class ThreadController:
         if self.threads == self.max_threads and not slow:
             self._quiet.setdefault(b, deque(maxlen=self._window)).append(seconds)
         self._slow_run = self._slow_run + 1 if slow else 0
-        if slow:
-            self._slow_ratios.append(ratio)
         crowded = False
         if slow and self._cores_free is not None and self.threads > 1 and self._since_change >= self.patience:
             free = self._cores_free()
             crowded = free is not None and free < self.threads - 1     # /proc/stat: read for slow steps only
         if (self._slow_run >= self.patience or crowded) and self.threads > 1 and self._hold == 0:
-            self._before = statistics.median(self._slow_ratios)
             self._change(self.threads - 1)
             self._trial = []
             self.reductions += 1
@@ -119,5 +125,4 @@ class ThreadController:
         self.threads = max(1, min(self.max_threads, n))
         self._set(self.threads)
         self._slow_run = 0
-        self._slow_ratios.clear()
         self._since_change = 0
