@@ -46,8 +46,15 @@ static inline float tf_hsum(__m256 v) {
 /* One softmax row in place: p[j] = exp(p[j] - max) for j < L; returns 1 / sum. */
 static inline float tf_softmax_row(float *pg, int64_t L) {
     float m = -INFINITY, sum;
-    int64_t j;
-    for (j = 0; j < L; j++) m = pg[j] > m ? pg[j] : m;
+    int64_t j = 0;
+    if (L >= 8) {       /* 8 running maxima: a scalar max is a 4-cycle dependency chain per score */
+        __m256 vmax = _mm256_loadu_ps(pg);
+        for (j = 8; j + 8 <= L; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(pg + j));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    }
+    for (; j < L; j++) m = pg[j] > m ? pg[j] : m;
     __m256 vsum = _mm256_setzero_ps();
     const __m256 vm = _mm256_set1_ps(m);
     for (j = 0; j + 8 <= L; j += 8) {
@@ -351,6 +358,40 @@ static inline __attribute__((always_inline)) void tf_pv512(const int NG, float *
 static inline __m256 tf_fold512(__m512 a) {
     return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
+
+/* (sum of a0's 16 lanes, of a1's, a2's, a3's): two unpack levels leave each 128-bit lane holding the 4
+ * partial sums, then the lanes fold (13 uops against 21 for four folds and three hadds). */
+static inline __m128 tf_hsum4x512(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512d t0 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1)));
+    const __m512d t1 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3)));
+    const __m256 h = tf_fold512(_mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(t0, t1)),
+                                              _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t1))));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* Scores of NG (<= 4) heads (queries qh, D apart) against the 4 key rows k[0..3], into p[g * L + j ..]:
+ * each 16 values of a key are loaded and widened once for all NG heads. */
+static inline __attribute__((always_inline)) void tf_qk512(const int NG, float *p, const float *qh, int64_t L,
+                                                           int64_t j, const char *const *k, int64_t D,
+                                                           float scale, const int half) {
+    __m512 acc[4][4];
+    for (int g = 0; g < NG; g++)
+        for (int i = 0; i < 4; i++) acc[g][i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+        const __m512 x0 = tf_ld16(k[0], d, half), x1 = tf_ld16(k[1], d, half);
+        const __m512 x2 = tf_ld16(k[2], d, half), x3 = tf_ld16(k[3], d, half);
+        for (int g = 0; g < NG; g++) {
+            const __m512 qv = _mm512_loadu_ps(qh + g * D + d);
+            acc[g][0] = _mm512_fmadd_ps(qv, x0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(qv, x1, acc[g][1]);
+            acc[g][2] = _mm512_fmadd_ps(qv, x2, acc[g][2]);
+            acc[g][3] = _mm512_fmadd_ps(qv, x3, acc[g][3]);
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        _mm_storeu_ps(p + g * L + j, _mm_mul_ps(tf_hsum4x512(acc[g][0], acc[g][1], acc[g][2], acc[g][3]),
+                                                _mm_set1_ps(scale)));
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -367,20 +408,18 @@ static inline __attribute__((always_inline)) void tf_attend_rows64_t(
         const char *k2 = kb + off[j + 2] * es, *k3 = kb + off[j + 3] * es;
         if (pfb && j + TF_AHEAD + 4 <= L)
             for (int i = TF_AHEAD; i < TF_AHEAD + 4; i++) tf_prefetch_row(pk + off[j + i] * es, pfb);
+#if defined(__AVX512F__)
+        const char *k[4] = {k0, k1, k2, k3};
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            const int64_t n = G - g0 < 4 ? G - g0 : 4;
+            if (n == 4) tf_qk512(4, p + g0 * L, qg + g0 * D, L, j, k, D, scale, half);
+            else if (n == 3) tf_qk512(3, p + g0 * L, qg + g0 * D, L, j, k, D, scale, half);
+            else if (n == 2) tf_qk512(2, p + g0 * L, qg + g0 * D, L, j, k, D, scale, half);
+            else tf_qk512(1, p + g0 * L, qg + g0 * D, L, j, k, D, scale, half);
+        }
+#else
         for (int64_t g = 0; g < G; g++) {
             const float *qh = qg + g * D;
-#if defined(__AVX512F__)
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t d = 0; d < D; d += 16) {
-                const __m512 qv = _mm512_loadu_ps(qh + d);
-                a0 = _mm512_fmadd_ps(qv, tf_ld16(k0, d, half), a0);
-                a1 = _mm512_fmadd_ps(qv, tf_ld16(k1, d, half), a1);
-                a2 = _mm512_fmadd_ps(qv, tf_ld16(k2, d, half), a2);
-                a3 = _mm512_fmadd_ps(qv, tf_ld16(k3, d, half), a3);
-            }
-            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(tf_fold512(a0), tf_fold512(a1)),
-                                            _mm256_hadd_ps(tf_fold512(a2), tf_fold512(a3)));
-#else
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t d = 0; d < D; d += 8) {
                 const __m256 qv = _mm256_loadu_ps(qh + d);
@@ -390,10 +429,10 @@ static inline __attribute__((always_inline)) void tf_attend_rows64_t(
                 a3 = _mm256_fmadd_ps(qv, tf_ld8(k3, d, half), a3);
             }
             const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-#endif
             const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
             _mm_storeu_ps(p + g * L + j, _mm_mul_ps(sums, _mm_set1_ps(scale)));
         }
+#endif
     }
     for (; j < L; j++) {
         const char *kr = kb + off[j] * es;
