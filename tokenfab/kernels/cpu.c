@@ -314,6 +314,25 @@ static inline void tf_prefetch_row(const char *r, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(r + i, _MM_HINT_T0);
 }
 
+/* The next task's rows, prefetched into L2 a few at a time while the current task computes (its K rows,
+ * then its V rows): a thread's memory reads then overlap its arithmetic instead of alternating with it.
+ * Paced evenly (total rows over the `calls` steps the current task makes, Bresenham-style), so the
+ * prefetches do not pile up in the fill buffers ahead of the current task's own loads. */
+typedef struct {
+    const char *k, *v;              /* the next task's bases: whole rows, or one kv head's part */
+    const int64_t *off;             /* its row offsets (elements) */
+    int64_t rows, bytes, es;        /* its rows; bytes prefetched per row; bytes per element */
+    int64_t total, done, acc, calls;    /* 2 * rows (0: no next task), rows issued, pacing */
+} tf_ahead_t;
+
+static inline __attribute__((always_inline)) void tf_ahead_step(tf_ahead_t *a) {
+    for (a->acc += a->total; a->acc >= a->calls && a->done < a->total; a->acc -= a->calls) {
+        const int64_t r = a->done++;
+        const char *row = r < a->rows ? a->k + a->off[r] * a->es : a->v + a->off[r - a->rows] * a->es;
+        for (int64_t i = 0; i < a->bytes; i += 64) _mm_prefetch(row + i, _MM_HINT_T1);
+    }
+}
+
 /* 8 or 16 values at element i of a float32 (half = 0) or float16 (half = 1) row, as float32. */
 static inline __attribute__((always_inline)) __m256 tf_ld8(const char *base, int64_t i, const int half) {
     return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)))
@@ -331,7 +350,7 @@ static inline __attribute__((always_inline)) __m512 tf_ld16(const char *base, in
 static inline __attribute__((always_inline)) void tf_pv512(const int NG, float *o, const float *p, int64_t L,
                                                            const char *vb, const int64_t *off, int64_t c,
                                                            int64_t D, const float *inv, const char *pv,
-                                                           int64_t pfb, const int half) {
+                                                           int64_t pfb, tf_ahead_t *ah, const int half) {
     const int64_t es = half ? 2 : 4;
     __m512 acc[4][4];
     for (int g = 0; g < NG; g++)
@@ -339,6 +358,7 @@ static inline __attribute__((always_inline)) void tf_pv512(const int NG, float *
     for (int64_t j = 0; j < L; j++) {
         const char *vr = vb + off[j] * es;
         if (pfb && j + TF_AHEAD < L) tf_prefetch_row(pv + off[j + TF_AHEAD] * es, pfb);
+        if ((j & 3) == 3) tf_ahead_step(ah);
         const __m512 v0 = tf_ld16(vr, c, half), v1 = tf_ld16(vr, c + 16, half);
         const __m512 v2 = tf_ld16(vr, c + 32, half), v3 = tf_ld16(vr, c + 48, half);
         for (int g = 0; g < NG; g++) {
@@ -400,7 +420,8 @@ static inline __attribute__((always_inline)) void tf_qk512(const int NG, float *
  * prefetch pfb bytes of each row ahead from those bases (0: none). */
 static inline __attribute__((always_inline)) void tf_attend_rows64_t(
         float *o, const float *qg, int64_t G, const char *kb, const char *vb, const int64_t *off, int64_t L,
-        int64_t D, float scale, float *p, const char *pk, const char *pv, int64_t pfb, const int half) {
+        int64_t D, float scale, float *p, const char *pk, const char *pv, int64_t pfb, tf_ahead_t *ah,
+        const int half) {
     const int64_t es = half ? 2 : 4;
     int64_t j = 0;
     for (; j + 4 <= L; j += 4) {
@@ -408,6 +429,7 @@ static inline __attribute__((always_inline)) void tf_attend_rows64_t(
         const char *k2 = kb + off[j + 2] * es, *k3 = kb + off[j + 3] * es;
         if (pfb && j + TF_AHEAD + 4 <= L)
             for (int i = TF_AHEAD; i < TF_AHEAD + 4; i++) tf_prefetch_row(pk + off[j + i] * es, pfb);
+        tf_ahead_step(ah);
 #if defined(__AVX512F__)
         const char *k[4] = {k0, k1, k2, k3};
         for (int64_t g0 = 0; g0 < G; g0 += 4) {
@@ -452,10 +474,10 @@ static inline __attribute__((always_inline)) void tf_attend_rows64_t(
             float *og = o + g0 * D;
             const float *pg = p + g0 * L;
             const int64_t w = g0 == 0 && c == 0 ? pfb : 0;     /* each row prefetched once */
-            if (n == 4) tf_pv512(4, og, pg, L, vb, off, c, D, inv + g0, pv, w, half);
-            else if (n == 3) tf_pv512(3, og, pg, L, vb, off, c, D, inv + g0, pv, w, half);
-            else if (n == 2) tf_pv512(2, og, pg, L, vb, off, c, D, inv + g0, pv, w, half);
-            else tf_pv512(1, og, pg, L, vb, off, c, D, inv + g0, pv, w, half);
+            if (n == 4) tf_pv512(4, og, pg, L, vb, off, c, D, inv + g0, pv, w, ah, half);
+            else if (n == 3) tf_pv512(3, og, pg, L, vb, off, c, D, inv + g0, pv, w, ah, half);
+            else if (n == 2) tf_pv512(2, og, pg, L, vb, off, c, D, inv + g0, pv, w, ah, half);
+            else tf_pv512(1, og, pg, L, vb, off, c, D, inv + g0, pv, w, ah, half);
         }
     }
 #else
@@ -469,6 +491,7 @@ static inline __attribute__((always_inline)) void tf_attend_rows64_t(
             for (j = 0; j < L; j++) {
                 const char *vr = vb + off[j] * es;
                 if (g == 0 && c == 0 && pfb && j + TF_AHEAD < L) tf_prefetch_row(pv + off[j + TF_AHEAD] * es, pfb);
+                if ((j & 3) == 3) tf_ahead_step(ah);
                 const __m256 pj = _mm256_set1_ps(pg[j]);
                 for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(pj, tf_ld8(vr, c + 8 * i, half), acc[i]);
             }
@@ -478,52 +501,86 @@ static inline __attribute__((always_inline)) void tf_attend_rows64_t(
 #endif
 }
 
+/* Task b's row offsets (elements) into off: its first ctx_lens[b] tokens, or its last `window`; returns
+ * how many. */
+static inline int64_t tf_row_offsets(int64_t *off, const int64_t *bt, int64_t ctx, int64_t window, int64_t bs,
+                                     int64_t KVH, int64_t D) {
+    const int64_t j0 = window > 0 && ctx > window ? ctx - window : 0, L = ctx - j0;
+    int64_t blk = j0 / bs, t = j0 % bs;
+    for (int64_t j = 0; j < L; j++) {
+        off[j] = (bt[blk] * bs + t) * KVH * D;
+        if (++t == bs) t = 0, blk++;
+    }
+    return L;
+}
+
 /* The task loop, for float32 (half = 0) or float16 (half = 1) pools; D a multiple of 64. */
 static inline __attribute__((always_inline)) void tf_paged_attention_t(
         float *out, const float *q, int64_t q_stride, const char *k_cache, const char *v_cache,
         const int64_t *block_tables, int64_t bt_stride, const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH,
         int64_t D, int64_t bs, float scale, int64_t window, const int half) {
     const int64_t G = H / KVH, es = half ? 2 : 4;
+#if defined(__AVX512F__)
+    const int64_t pv_passes = (G + 3) / 4 * (D / 64);      /* tf_ahead_step calls per 4 keys of a kv head: */
+#else
+    const int64_t pv_passes = G * (D / 64);                /* one in QK, one per P V pass */
+#endif
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = window > 0 && ctx_lens[b] > window ? window : ctx_lens[b];
         max_len = n > max_len ? n : max_len;
     }
+    int64_t claimed = 0;        /* tasks handed out; each thread claims its next task before it starts one */
 #pragma omp parallel if (B * KVH >= 2)
     {
         float *p = (float *)malloc(sizeof(float) * (size_t)(G * max_len));
-        int64_t *off = (int64_t *)malloc(sizeof(int64_t) * (size_t)max_len);
+        int64_t *offs = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * max_len));
+        int64_t *off = offs, *off_next = offs + max_len;
         /* Tasks: whole sequences when there are enough of them (a sequence's kv heads interleave in
          * its rows, so one core reads them all while they are in its cache), else (sequence, kv head). */
-        const int64_t per = B >= 4 * omp_get_num_threads() ? KVH : 1;
-        int64_t last_b = -1;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < B * KVH / per; task++) {
-            const int64_t b = task * per / KVH, kh0 = task * per % KVH;
-            const int64_t j0 = window > 0 && ctx_lens[b] > window ? ctx_lens[b] - window : 0;
-            const int64_t L = ctx_lens[b] - j0;
-            if (b != last_b) {          /* a thread's consecutive tasks often share the sequence */
-                const int64_t *bt = block_tables + b * bt_stride;
-                int64_t blk = j0 / bs, t = j0 % bs;
-                for (int64_t j = 0; j < L; j++) {
-                    off[j] = (bt[blk] * bs + t) * KVH * D;
-                    if (++t == bs) t = 0, blk++;
+        const int64_t per = B >= 4 * omp_get_num_threads() ? KVH : 1, ntasks = B * KVH / per;
+        int64_t task = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED), b = task * per / KVH, L = 0;
+        if (task < ntasks) L = tf_row_offsets(off, block_tables + b * bt_stride, ctx_lens[b], window, bs, KVH, D);
+        while (task < ntasks) {
+            const int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED), nb = next * per / KVH;
+            const int64_t kh0 = task * per % KVH;
+            const int whole = per > 1;
+            tf_ahead_t ah = {0};
+            ah.es = es;
+            ah.calls = per * (L / 4) * (1 + pv_passes);
+            ah.calls = ah.calls > 0 ? ah.calls : 1;
+            if (next < ntasks) {
+                ah.off = off;
+                ah.rows = L;
+                if (nb != b) {          /* a thread's consecutive tasks often share the sequence */
+                    ah.off = off_next;
+                    ah.rows = tf_row_offsets(off_next, block_tables + nb * bt_stride, ctx_lens[nb], window, bs, KVH,
+                                             D);
                 }
-                last_b = b;
+                const int64_t nkh = whole ? 0 : next % KVH;
+                ah.k = k_cache + nkh * D * es;
+                ah.v = v_cache + nkh * D * es;
+                ah.bytes = (whole ? KVH * D : D) * es;
+                ah.total = 2 * ah.rows;
             }
             /* A whole sequence: its first kv head's pass prefetches whole rows (every kv head's K and
              * V), so the other heads' passes find them in cache and the memory reads are contiguous;
              * one kv head: its own D values per row. */
             for (int64_t kh = kh0; kh < kh0 + per; kh++) {
-                const int whole = per > 1;
                 const char *kb = k_cache + kh * D * es, *vb = v_cache + kh * D * es;
                 tf_attend_rows64_t(out + (b * H + kh * G) * D, q + b * q_stride + kh * G * D, G, kb, vb, off, L, D,
                                    scale, p, whole ? k_cache : kb, whole ? v_cache : vb,
-                                   (whole ? (kh == kh0 ? KVH * D : 0) : D) * es, half);
+                                   (whole ? (kh == kh0 ? KVH * D : 0) : D) * es, &ah, half);
             }
+            if (next < ntasks && nb != b) {
+                int64_t *t = off;
+                off = off_next, off_next = t;
+                L = ah.rows;
+            }
+            task = next, b = nb;
         }
         free(p);
-        free(off);
+        free(offs);
     }
 }
 #endif
