@@ -297,10 +297,16 @@ void tf_decode_attention_window(float *out, const float *q, int64_t q_stride, co
  * 400 MB of float32 K/V per step on SmolLM2-135M; the old kernel took ~38 ms of an 81 ms step there):
  *  - each task locates its token rows once, in an offset table built by walking the block table,
  *    instead of a division and a modulo per row and query head;
- *  - AVX-512 builds score the G heads that share a kv head against 4 keys per pass over 64-dim zmm
- *    rows, and accumulate P V for up to 4 heads at once in registers, reading each V row once instead
- *    of once per head;
- *  - rows 8 keys ahead are prefetched (whole rows, every kv head's, when a task takes a whole sequence).
+ *  - AVX-512 builds score up to 4 of the heads that share a kv head against 4 keys at once, loading
+ *    (and widening) each 16 values of a key once for all of them (tf_qk512), and accumulate P V for up
+ *    to 4 heads at once in registers, reading each V row once instead of once per head;
+ *  - each thread claims its next task before it starts one and prefetches that task's rows into L2
+ *    while it computes (tf_ahead_t). Without it a thread's DRAM reads (the first kv head's pass) and
+ *    its arithmetic (the other passes, softmax, P V) took turns: float16 pools at 32 rows x 192 tokens
+ *    moved ~4 GB/s on one thread against ~9.4 GB/s for a streaming read, and ~6-7 GB/s with it
+ *    (benchmarks/decode_attention.py --threads 1, 2026-12-02);
+ *  - rows 8 keys ahead are prefetched too (whole rows, every kv head's, when a task takes a whole
+ *    sequence): they cover each thread's first task, which nothing prefetched.
  * tf_paged_decode_attention_f16 reads float16 pools (kv_cache_dtype="float16": half the bytes, values
  * widened exactly to float32 as they are loaded; the arithmetic is the same). The old function stays
  * as the reference the benchmark measures against (benchmarks/decode_attention.py). */
