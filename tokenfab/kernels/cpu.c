@@ -46,8 +46,15 @@ static inline float tf_hsum(__m256 v) {
 /* One softmax row in place: p[j] = exp(p[j] - max) for j < L; returns 1 / sum. */
 static inline float tf_softmax_row(float *pg, int64_t L) {
     float m = -INFINITY, sum;
-    int64_t j;
-    for (j = 0; j < L; j++) m = pg[j] > m ? pg[j] : m;
+    int64_t j = 0;
+    if (L >= 8) {       /* 8 running maxima: a scalar max is a 4-cycle dependency chain per score */
+        __m256 vmax = _mm256_loadu_ps(pg);
+        for (j = 8; j + 8 <= L; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(pg + j));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    }
+    for (; j < L; j++) m = pg[j] > m ? pg[j] : m;
     __m256 vsum = _mm256_setzero_ps();
     const __m256 vm = _mm256_set1_ps(m);
     for (j = 0; j + 8 <= L; j += 8) {
@@ -290,10 +297,16 @@ void tf_decode_attention_window(float *out, const float *q, int64_t q_stride, co
  * 400 MB of float32 K/V per step on SmolLM2-135M; the old kernel took ~38 ms of an 81 ms step there):
  *  - each task locates its token rows once, in an offset table built by walking the block table,
  *    instead of a division and a modulo per row and query head;
- *  - AVX-512 builds score the G heads that share a kv head against 4 keys per pass over 64-dim zmm
- *    rows, and accumulate P V for up to 4 heads at once in registers, reading each V row once instead
- *    of once per head;
- *  - rows 8 keys ahead are prefetched (whole rows, every kv head's, when a task takes a whole sequence).
+ *  - AVX-512 builds score up to 4 of the heads that share a kv head against 4 keys at once, loading
+ *    (and widening) each 16 values of a key once for all of them (tf_qk512), and accumulate P V for up
+ *    to 4 heads at once in registers, reading each V row once instead of once per head;
+ *  - each thread claims its next task before it starts one and prefetches that task's rows into L2
+ *    while it computes (tf_ahead_t). Without it a thread's DRAM reads (the first kv head's pass) and
+ *    its arithmetic (the other passes, softmax, P V) took turns: float16 pools at 32 rows x 192 tokens
+ *    moved ~4 GB/s on one thread against ~9.4 GB/s for a streaming read, and ~6-7 GB/s with it
+ *    (benchmarks/decode_attention.py --threads 1, 2026-12-02);
+ *  - rows 8 keys ahead are prefetched too (whole rows, every kv head's, when a task takes a whole
+ *    sequence): they cover each thread's first task, which nothing prefetched.
  * tf_paged_decode_attention_f16 reads float16 pools (kv_cache_dtype="float16": half the bytes, values
  * widened exactly to float32 as they are loaded; the arithmetic is the same). The old function stays
  * as the reference the benchmark measures against (benchmarks/decode_attention.py). */
@@ -305,6 +318,25 @@ void tf_decode_attention_window(float *out, const float *q, int64_t q_stride, co
 /* The cache lines of `bytes` bytes from r. */
 static inline void tf_prefetch_row(const char *r, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(r + i, _MM_HINT_T0);
+}
+
+/* The next task's rows, prefetched into L2 a few at a time while the current task computes (its K rows,
+ * then its V rows): a thread's memory reads then overlap its arithmetic instead of alternating with it.
+ * Paced evenly (total rows over the `calls` steps the current task makes, Bresenham-style), so the
+ * prefetches do not pile up in the fill buffers ahead of the current task's own loads. */
+typedef struct {
+    const char *k, *v;              /* the next task's bases: whole rows, or one kv head's part */
+    const int64_t *off;             /* its row offsets (elements) */
+    int64_t rows, bytes, es;        /* its rows; bytes prefetched per row; bytes per element */
+    int64_t total, done, acc, calls;    /* 2 * rows (0: no next task), rows issued, pacing */
+} tf_ahead_t;
+
+static inline __attribute__((always_inline)) void tf_ahead_step(tf_ahead_t *a) {
+    for (a->acc += a->total; a->acc >= a->calls && a->done < a->total; a->acc -= a->calls) {
+        const int64_t r = a->done++;
+        const char *row = r < a->rows ? a->k + a->off[r] * a->es : a->v + a->off[r - a->rows] * a->es;
+        for (int64_t i = 0; i < a->bytes; i += 64) _mm_prefetch(row + i, _MM_HINT_T1);
+    }
 }
 
 /* 8 or 16 values at element i of a float32 (half = 0) or float16 (half = 1) row, as float32. */
@@ -324,7 +356,7 @@ static inline __attribute__((always_inline)) __m512 tf_ld16(const char *base, in
 static inline __attribute__((always_inline)) void tf_pv512(const int NG, float *o, const float *p, int64_t L,
                                                            const char *vb, const int64_t *off, int64_t c,
                                                            int64_t D, const float *inv, const char *pv,
-                                                           int64_t pfb, const int half) {
+                                                           int64_t pfb, tf_ahead_t *ah, const int half) {
     const int64_t es = half ? 2 : 4;
     __m512 acc[4][4];
     for (int g = 0; g < NG; g++)
@@ -332,6 +364,7 @@ static inline __attribute__((always_inline)) void tf_pv512(const int NG, float *
     for (int64_t j = 0; j < L; j++) {
         const char *vr = vb + off[j] * es;
         if (pfb && j + TF_AHEAD < L) tf_prefetch_row(pv + off[j + TF_AHEAD] * es, pfb);
+        if ((j & 3) == 3) tf_ahead_step(ah);
         const __m512 v0 = tf_ld16(vr, c, half), v1 = tf_ld16(vr, c + 16, half);
         const __m512 v2 = tf_ld16(vr, c + 32, half), v3 = tf_ld16(vr, c + 48, half);
         for (int g = 0; g < NG; g++) {
@@ -351,6 +384,40 @@ static inline __attribute__((always_inline)) void tf_pv512(const int NG, float *
 static inline __m256 tf_fold512(__m512 a) {
     return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
+
+/* (sum of a0's 16 lanes, of a1's, a2's, a3's): two unpack levels leave each 128-bit lane holding the 4
+ * partial sums, then the lanes fold (13 uops against 21 for four folds and three hadds). */
+static inline __m128 tf_hsum4x512(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512d t0 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1)));
+    const __m512d t1 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3)));
+    const __m256 h = tf_fold512(_mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(t0, t1)),
+                                              _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t1))));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* Scores of NG (<= 4) heads (queries qh, D apart) against the 4 key rows k[0..3], into p[g * L + j ..]:
+ * each 16 values of a key are loaded and widened once for all NG heads. */
+static inline __attribute__((always_inline)) void tf_qk512(const int NG, float *p, const float *qh, int64_t L,
+                                                           int64_t j, const char *const *k, int64_t D,
+                                                           float scale, const int half) {
+    __m512 acc[4][4];
+    for (int g = 0; g < NG; g++)
+        for (int i = 0; i < 4; i++) acc[g][i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+        const __m512 x0 = tf_ld16(k[0], d, half), x1 = tf_ld16(k[1], d, half);
+        const __m512 x2 = tf_ld16(k[2], d, half), x3 = tf_ld16(k[3], d, half);
+        for (int g = 0; g < NG; g++) {
+            const __m512 qv = _mm512_loadu_ps(qh + g * D + d);
+            acc[g][0] = _mm512_fmadd_ps(qv, x0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(qv, x1, acc[g][1]);
+            acc[g][2] = _mm512_fmadd_ps(qv, x2, acc[g][2]);
+            acc[g][3] = _mm512_fmadd_ps(qv, x3, acc[g][3]);
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        _mm_storeu_ps(p + g * L + j, _mm_mul_ps(tf_hsum4x512(acc[g][0], acc[g][1], acc[g][2], acc[g][3]),
+                                                _mm_set1_ps(scale)));
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -359,7 +426,8 @@ static inline __m256 tf_fold512(__m512 a) {
  * prefetch pfb bytes of each row ahead from those bases (0: none). */
 static inline __attribute__((always_inline)) void tf_attend_rows64_t(
         float *o, const float *qg, int64_t G, const char *kb, const char *vb, const int64_t *off, int64_t L,
-        int64_t D, float scale, float *p, const char *pk, const char *pv, int64_t pfb, const int half) {
+        int64_t D, float scale, float *p, const char *pk, const char *pv, int64_t pfb, tf_ahead_t *ah,
+        const int half) {
     const int64_t es = half ? 2 : 4;
     int64_t j = 0;
     for (; j + 4 <= L; j += 4) {
@@ -367,20 +435,19 @@ static inline __attribute__((always_inline)) void tf_attend_rows64_t(
         const char *k2 = kb + off[j + 2] * es, *k3 = kb + off[j + 3] * es;
         if (pfb && j + TF_AHEAD + 4 <= L)
             for (int i = TF_AHEAD; i < TF_AHEAD + 4; i++) tf_prefetch_row(pk + off[j + i] * es, pfb);
+        tf_ahead_step(ah);
+#if defined(__AVX512F__)
+        const char *k[4] = {k0, k1, k2, k3};
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            const int64_t n = G - g0 < 4 ? G - g0 : 4;
+            if (n == 4) tf_qk512(4, p + g0 * L, qg + g0 * D, L, j, k, D, scale, half);
+            else if (n == 3) tf_qk512(3, p + g0 * L, qg + g0 * D, L, j, k, D, scale, half);
+            else if (n == 2) tf_qk512(2, p + g0 * L, qg + g0 * D, L, j, k, D, scale, half);
+            else tf_qk512(1, p + g0 * L, qg + g0 * D, L, j, k, D, scale, half);
+        }
+#else
         for (int64_t g = 0; g < G; g++) {
             const float *qh = qg + g * D;
-#if defined(__AVX512F__)
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t d = 0; d < D; d += 16) {
-                const __m512 qv = _mm512_loadu_ps(qh + d);
-                a0 = _mm512_fmadd_ps(qv, tf_ld16(k0, d, half), a0);
-                a1 = _mm512_fmadd_ps(qv, tf_ld16(k1, d, half), a1);
-                a2 = _mm512_fmadd_ps(qv, tf_ld16(k2, d, half), a2);
-                a3 = _mm512_fmadd_ps(qv, tf_ld16(k3, d, half), a3);
-            }
-            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(tf_fold512(a0), tf_fold512(a1)),
-                                            _mm256_hadd_ps(tf_fold512(a2), tf_fold512(a3)));
-#else
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t d = 0; d < D; d += 8) {
                 const __m256 qv = _mm256_loadu_ps(qh + d);
@@ -390,10 +457,10 @@ static inline __attribute__((always_inline)) void tf_attend_rows64_t(
                 a3 = _mm256_fmadd_ps(qv, tf_ld8(k3, d, half), a3);
             }
             const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-#endif
             const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
             _mm_storeu_ps(p + g * L + j, _mm_mul_ps(sums, _mm_set1_ps(scale)));
         }
+#endif
     }
     for (; j < L; j++) {
         const char *kr = kb + off[j] * es;
@@ -413,10 +480,10 @@ static inline __attribute__((always_inline)) void tf_attend_rows64_t(
             float *og = o + g0 * D;
             const float *pg = p + g0 * L;
             const int64_t w = g0 == 0 && c == 0 ? pfb : 0;     /* each row prefetched once */
-            if (n == 4) tf_pv512(4, og, pg, L, vb, off, c, D, inv + g0, pv, w, half);
-            else if (n == 3) tf_pv512(3, og, pg, L, vb, off, c, D, inv + g0, pv, w, half);
-            else if (n == 2) tf_pv512(2, og, pg, L, vb, off, c, D, inv + g0, pv, w, half);
-            else tf_pv512(1, og, pg, L, vb, off, c, D, inv + g0, pv, w, half);
+            if (n == 4) tf_pv512(4, og, pg, L, vb, off, c, D, inv + g0, pv, w, ah, half);
+            else if (n == 3) tf_pv512(3, og, pg, L, vb, off, c, D, inv + g0, pv, w, ah, half);
+            else if (n == 2) tf_pv512(2, og, pg, L, vb, off, c, D, inv + g0, pv, w, ah, half);
+            else tf_pv512(1, og, pg, L, vb, off, c, D, inv + g0, pv, w, ah, half);
         }
     }
 #else
@@ -430,6 +497,7 @@ static inline __attribute__((always_inline)) void tf_attend_rows64_t(
             for (j = 0; j < L; j++) {
                 const char *vr = vb + off[j] * es;
                 if (g == 0 && c == 0 && pfb && j + TF_AHEAD < L) tf_prefetch_row(pv + off[j + TF_AHEAD] * es, pfb);
+                if ((j & 3) == 3) tf_ahead_step(ah);
                 const __m256 pj = _mm256_set1_ps(pg[j]);
                 for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(pj, tf_ld8(vr, c + 8 * i, half), acc[i]);
             }
@@ -439,52 +507,86 @@ static inline __attribute__((always_inline)) void tf_attend_rows64_t(
 #endif
 }
 
+/* Task b's row offsets (elements) into off: its first ctx_lens[b] tokens, or its last `window`; returns
+ * how many. */
+static inline int64_t tf_row_offsets(int64_t *off, const int64_t *bt, int64_t ctx, int64_t window, int64_t bs,
+                                     int64_t KVH, int64_t D) {
+    const int64_t j0 = window > 0 && ctx > window ? ctx - window : 0, L = ctx - j0;
+    int64_t blk = j0 / bs, t = j0 % bs;
+    for (int64_t j = 0; j < L; j++) {
+        off[j] = (bt[blk] * bs + t) * KVH * D;
+        if (++t == bs) t = 0, blk++;
+    }
+    return L;
+}
+
 /* The task loop, for float32 (half = 0) or float16 (half = 1) pools; D a multiple of 64. */
 static inline __attribute__((always_inline)) void tf_paged_attention_t(
         float *out, const float *q, int64_t q_stride, const char *k_cache, const char *v_cache,
         const int64_t *block_tables, int64_t bt_stride, const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH,
         int64_t D, int64_t bs, float scale, int64_t window, const int half) {
     const int64_t G = H / KVH, es = half ? 2 : 4;
+#if defined(__AVX512F__)
+    const int64_t pv_passes = (G + 3) / 4 * (D / 64);      /* tf_ahead_step calls per 4 keys of a kv head: */
+#else
+    const int64_t pv_passes = G * (D / 64);                /* one in QK, one per P V pass */
+#endif
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = window > 0 && ctx_lens[b] > window ? window : ctx_lens[b];
         max_len = n > max_len ? n : max_len;
     }
+    int64_t claimed = 0;        /* tasks handed out; each thread claims its next task before it starts one */
 #pragma omp parallel if (B * KVH >= 2)
     {
         float *p = (float *)malloc(sizeof(float) * (size_t)(G * max_len));
-        int64_t *off = (int64_t *)malloc(sizeof(int64_t) * (size_t)max_len);
+        int64_t *offs = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * max_len));
+        int64_t *off = offs, *off_next = offs + max_len;
         /* Tasks: whole sequences when there are enough of them (a sequence's kv heads interleave in
          * its rows, so one core reads them all while they are in its cache), else (sequence, kv head). */
-        const int64_t per = B >= 4 * omp_get_num_threads() ? KVH : 1;
-        int64_t last_b = -1;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < B * KVH / per; task++) {
-            const int64_t b = task * per / KVH, kh0 = task * per % KVH;
-            const int64_t j0 = window > 0 && ctx_lens[b] > window ? ctx_lens[b] - window : 0;
-            const int64_t L = ctx_lens[b] - j0;
-            if (b != last_b) {          /* a thread's consecutive tasks often share the sequence */
-                const int64_t *bt = block_tables + b * bt_stride;
-                int64_t blk = j0 / bs, t = j0 % bs;
-                for (int64_t j = 0; j < L; j++) {
-                    off[j] = (bt[blk] * bs + t) * KVH * D;
-                    if (++t == bs) t = 0, blk++;
+        const int64_t per = B >= 4 * omp_get_num_threads() ? KVH : 1, ntasks = B * KVH / per;
+        int64_t task = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED), b = task * per / KVH, L = 0;
+        if (task < ntasks) L = tf_row_offsets(off, block_tables + b * bt_stride, ctx_lens[b], window, bs, KVH, D);
+        while (task < ntasks) {
+            const int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED), nb = next * per / KVH;
+            const int64_t kh0 = task * per % KVH;
+            const int whole = per > 1;
+            tf_ahead_t ah = {0};
+            ah.es = es;
+            ah.calls = per * (L / 4) * (1 + pv_passes);
+            ah.calls = ah.calls > 0 ? ah.calls : 1;
+            if (next < ntasks) {
+                ah.off = off;
+                ah.rows = L;
+                if (nb != b) {          /* a thread's consecutive tasks often share the sequence */
+                    ah.off = off_next;
+                    ah.rows = tf_row_offsets(off_next, block_tables + nb * bt_stride, ctx_lens[nb], window, bs, KVH,
+                                             D);
                 }
-                last_b = b;
+                const int64_t nkh = whole ? 0 : next % KVH;
+                ah.k = k_cache + nkh * D * es;
+                ah.v = v_cache + nkh * D * es;
+                ah.bytes = (whole ? KVH * D : D) * es;
+                ah.total = 2 * ah.rows;
             }
             /* A whole sequence: its first kv head's pass prefetches whole rows (every kv head's K and
              * V), so the other heads' passes find them in cache and the memory reads are contiguous;
              * one kv head: its own D values per row. */
             for (int64_t kh = kh0; kh < kh0 + per; kh++) {
-                const int whole = per > 1;
                 const char *kb = k_cache + kh * D * es, *vb = v_cache + kh * D * es;
                 tf_attend_rows64_t(out + (b * H + kh * G) * D, q + b * q_stride + kh * G * D, G, kb, vb, off, L, D,
                                    scale, p, whole ? k_cache : kb, whole ? v_cache : vb,
-                                   (whole ? (kh == kh0 ? KVH * D : 0) : D) * es, half);
+                                   (whole ? (kh == kh0 ? KVH * D : 0) : D) * es, &ah, half);
             }
+            if (next < ntasks && nb != b) {
+                int64_t *t = off;
+                off = off_next, off_next = t;
+                L = ah.rows;
+            }
+            task = next, b = nb;
         }
         free(p);
-        free(off);
+        free(offs);
     }
 }
 #endif
