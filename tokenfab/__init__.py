@@ -8,9 +8,9 @@ import os as _os
 
 # OpenMP workers that finish a parallel region spin before they sleep: libgomp's default is 300,000
 # spins (~20 ms at ~140 cycles a PAUSE on Sapphire Rapids). With other processes on the cores a
-# spinning worker burns the time slice its descheduled peer needs to reach the barrier; 20,000 (~1 ms,
-# like Intel OpenMP's KMP_BLOCKTIME=1) kept single-stream tok/s under two busy loops at 0.41-0.42 of
-# quiet with two threads instead of 0.22-0.24, and quiet speed the same (docs/serving.md, "Threads").
+# spinning worker burns the time slice its descheduled peer needs to reach the barrier. 20,000 (~1 ms,
+# like Intel OpenMP's KMP_BLOCKTIME=1) made two threads' collapse under two busy loops rarer, at the
+# same quiet speed (docs/serving.md, "Threads", with the runs).
 # libgomp reads it once, when torch loads it: set before torch is imported; a value already set wins.
 _os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 

@@ -13,9 +13,10 @@ two half-cores can beat one two-thirds core), so the drop is a trial: `patience`
 count, then `patience` at the count before, both as slowdowns against the quiet median and under the
 same contention, and unless the lower count is at least `min_gain` better it stays at the count
 before, held there for `probe_every` steps. (Comparing the trial with the slow steps that caused the
-drop instead favoured dropping: those are the worst steps at that count, picked for being slow.) While lowered it probes one thread more every `probe_every` steps and keeps
-it when the probe step is no longer slow, so the count comes back when the contention ends. It
-only ever calls `set_threads`; the engine calls `observe` once per step.
+drop instead favoured dropping: those are the worst steps at that count, picked for being slow.)
+While lowered it probes one thread more every `probe_every` steps and keeps it when the probe step
+is no longer slow, so the count comes back when the contention ends. It only ever calls
+`set_threads`; the engine calls `observe` once per step.
 """
 from __future__ import annotations
 
