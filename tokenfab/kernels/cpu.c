@@ -100,8 +100,8 @@ static inline float tf_from_bf16(uint16_t h) {
 static inline uint16_t tf_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    const uint16_t r = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : r;        /* a select, so tf_narrow_row vectorizes */
 }
 
 /* float32 rows through `row` into a per-thread scratch, then narrowed to bfloat16: the kernels below
@@ -2201,10 +2201,9 @@ void tf_qbf16(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
     bits &= ~TF_QTILE_HALF;
     const int64_t nb = K / 32, G = K / gs, bpg = gs / 32, ntiles = N / 16, tb = bits == 8 ? 512 : 256;
     const int64_t es = half ? 2 : 4, Mp = (M + 15) / 16 * 16;
-    /* x rounded to bf16 (to nearest even, as torch's .to(torch.bfloat16)), whole tiles of 16 rows, padding zero */
+    /* x rounded to bf16 as torch's .to(torch.bfloat16) (tf_narrow_row), whole tiles of 16 rows, padding zero */
     uint16_t *xb = (uint16_t *)aligned_alloc(64, (size_t)(Mp * K * 2 + 63) / 64 * 64);
-    for (int64_t i = 0; i + 16 <= M * K; i += 16)
-        _mm256_storeu_si256((__m256i *)(xb + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+    tf_narrow_row(xb, x, M * K);
     memset(xb + M * K, 0, (size_t)((Mp - M) * K * 2));
     const int64_t npairs = (ntiles + 1) / 2;
 #pragma omp parallel if (ntiles >= 8)
