@@ -298,6 +298,25 @@ def test_qbf16_computes_what_the_bf16_float_copy_computes(name):
         assert float((y - ref).abs().max() / ref.abs().max()) < 1e-5, (name, rows)
 
 
+def test_qbf16_on_a_wide_layer_runs_every_thread_and_block_of_tiles():
+    """A layer wide enough that each thread expands its tile pairs in several blocks (~1 MB of bf16 tiles
+    at a time), with an odd number of 16-output tiles (the last pair holds one): the same result as the
+    reference at row counts that end inside a row group."""
+    _needs_amx_bf16()
+    g = torch.Generator().manual_seed(11)
+    N, K = 16 * 129, 1024
+    d = (torch.rand(N, K // 32, generator=g) * 1e-2).half().float()
+    m = (-torch.rand(N, K // 32, generator=g) * 8e-2).half().float()
+    layer = Q4_1Linear(torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8), d, m + 8 * d, 32, K)
+    state = _state(layer)
+    wb = layer.dequantize(torch.float32).bfloat16().float()
+    for rows in (40, 100):
+        x = torch.randn(rows, K, generator=g)
+        y = kernels.qbf16(x, *state, N)
+        ref = F.linear(x.bfloat16().double(), wb.double()).float()
+        assert float((y - ref).abs().max() / ref.abs().max()) < 1e-5, rows
+
+
 def test_a_rows_qbf16_result_is_the_same_bits_whatever_rows_run_with_it():
     _needs_amx_bf16()
     layer = _layers()["q4_1-f16"]
