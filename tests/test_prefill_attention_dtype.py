@@ -23,6 +23,7 @@ def test_auto_takes_bf16_attention_from_the_rows_where_qkv_already_runs_the_bf16
     monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
     assert bf16_prefill_rows(_model_whose_qkv_runs((8, "qgemm"), (None, "bf16"))) == 9
     assert bf16_prefill_rows(_model_whose_qkv_runs((None, "bf16"))) == 1
+    assert bf16_prefill_rows(_model_whose_qkv_runs((32, "qtile"), (None, "qbf16"))) == 33   # bf16 activations too
     assert bf16_prefill_rows(_model_whose_qkv_runs((16, "qgemm"), (None, "float"))) is None
     assert bf16_prefill_rows(_model_whose_qkv_runs((None, "onednn"))) is None      # float checkpoints stay exact
     assert bf16_prefill_rows(_model_whose_qkv_runs((8, "qgemm"), (None, "bf16")), "float32") is None

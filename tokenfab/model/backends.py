@@ -31,6 +31,7 @@ from tokenfab import kernels
 from tokenfab.model.attention import AttentionMetadata, TorchPagedAttention
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+BF16_ACTIVATION_KERNELS = ("bf16", "qbf16")    # linear kernels that round their activations to bfloat16
 
 
 class AttentionBackend(Protocol):
@@ -134,7 +135,7 @@ class CpuBackend(TorchBackend):
             k, v = k.to(kv[0].dtype).to(qkv.dtype), v.to(kv[1].dtype).to(qkv.dtype)
         if self.bf16_follows_qkv and meta.prefills:
             plan = getattr(layer.qkv_proj, "plan", None)
-            self.cpu_paged.bf16_now = plan is not None and plan.kernel_at(T).kernel.name == "bf16"
+            self.cpu_paged.bf16_now = plan is not None and plan.kernel_at(T).kernel.name in BF16_ACTIVATION_KERNELS
             self.cpu_paged.bf16_out = layer.o_bf16 and layer.o_proj.takes_bf16(T)
         return self.cpu_paged.attend(q, k, v, kv[0], kv[1], meta, layer.window)
 
@@ -265,8 +266,9 @@ def bf16_prefill_rows(model, setting: str = "auto") -> int | None:
     """From how many tokens a prefill chunk's attention runs in bfloat16 on the cpu backend (None: never).
 
     "bfloat16": from one token; "float32": never; "auto": where the step is at bf16 precision already,
-    i.e. from the smallest row count at which the first layer's qkv projection runs the lossy "bf16"
-    kernel (bf16 activations in, bf16 results out: V reaches attention already bf16-exact), on a CPU
+    i.e. from the smallest row count at which the first layer's qkv projection runs a lossy kernel that
+    rounds its activations to bf16 (BF16_ACTIVATION_KERNELS: "bf16" also hands back bf16 results, so V
+    reaches attention bf16-exact; "qbf16" computes the same products and keeps float32 sums), on a CPU
     with bf16 units. SDPA over 512 tokens of SmolLM2-135M's heads takes 2.0 ms in bf16 (casts included)
     against 4.5 ms in float32 (one thread, Sapphire Rapids VM), a third of a 512-token prefill."""
     if setting == "bfloat16":
@@ -276,7 +278,7 @@ def bf16_prefill_rows(model, setting: str = "auto") -> int | None:
     plan = getattr(model.layers[0].self_attn.qkv_proj, "plan", None)
     lower = 1
     for c in getattr(plan, "choices", ()):
-        if c.kernel.name == "bf16":
+        if c.kernel.name in BF16_ACTIVATION_KERNELS:
             return lower
         if c.max_rows is None:
             break
