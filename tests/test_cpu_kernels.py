@@ -296,6 +296,53 @@ def test_fused_decode_stack_takes_qwen3_qk_norms_with_the_per_layer_path_logits(
     assert llm.engine.block_manager.num_used_blocks() == 0
 
 
+def test_stack_reach_follows_a_qtile_layout_into_qbf16_and_stops_at_other_layouts():
+    from tokenfab.kernels.linear import Choice, LinearPlan, get
+    from tokenfab.model.backends import _stack_reach
+    from tokenfab.quant import kernels as _quant_kernels  # noqa: F401  (registers qtile, qbf16, qgemm)
+    S, T = object(), object()           # two prepared layouts
+
+    def plan(*cs):
+        return LinearPlan([Choice(rows, get(name), state) for rows, name, state in cs])
+    assert _stack_reach(plan((16, "qtile", S), (None, "qbf16", S)), 64) == (64, 17)
+    assert _stack_reach(plan((16, "qtile", S), (32, "qbf16", S), (None, "qtile", S)), 64) == (32, 17)
+    assert _stack_reach(plan((16, "qtile", S), (None, "qbf16", T)), 64) == (16, 0)     # another layout
+    assert _stack_reach(plan((8, "qgemm", S), (None, "bf16", T)), 64) == (8, 0)
+    assert _stack_reach(plan((None, "qgemm", S)), 16) == (16, 0)
+    assert _stack_reach(plan((4, "qtile", S), (None, "qbf16", S)), 4) == (4, 0)        # capped before qbf16
+
+
+@pytest.mark.parametrize("ranges", [[(None, "qtile")], [(16, "qtile"), (None, "qbf16")]],
+                         ids=["qtile", "qtile-then-qbf16"])
+def test_fused_decode_stack_runs_bigger_steps_as_the_layer_path_does(bundled_files, ranges):
+    """Decode steps above fused_decode_max_tokens take the one-call stack where every linear's plan keeps
+    reading its qtile layout (up to fused_decode_big_max_tokens): qtile at every row count, or qtile up
+    to 16 rows and qbf16 above (tf_stack_linear), with the per-layer path's logits."""
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.kernels import linear as seam
+    llm = LLM(loaded=bundled_files, max_model_len=256, num_kv_blocks=256, kernel_autotune=False, max_num_seqs=24)
+    model = llm.engine.model
+    for layer in model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            for _, name in ranges:
+                why = seam.get(name).supports(lin)
+                if why is not None:
+                    pytest.skip(f"{name}: {why}")
+            lin.plan = seam.build_plan(lin, ranges)
+    backend = model.attention_backend
+    backend._stack = None
+    prompts = [[100 + i, 200 + i, 300 + i] for i in range(20)]       # decode steps of 20 rows
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for fused in (True, False):
+        backend.fused_decode = fused
+        runs[fused] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+        if fused:
+            assert backend.stack_rows == 64, backend.stack_rows   # EngineConfig.fused_decode_big_max_tokens
+    assert runs[True] == runs[False]
+    assert llm.engine.block_manager.num_used_blocks() == 0
+
+
 def test_fused_decode_stack_declines_layers_without_a_qgemm_layout(bundled_llm):
     from tokenfab import SamplingParams
     bundled_llm.generate(["Hi"], SamplingParams(max_tokens=2, temperature=0))      # float32 linears
@@ -371,3 +418,11 @@ def _check_float16_pools():
         out = kernels.decode_attention(q, kc, vc, tables, lens, H, KVH, D ** -0.5, window)
         ref = kernels.decode_attention(q, kc.float(), vc.float(), tables, lens, H, KVH, D ** -0.5, window)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_decode_big_max_tokens_must_be_a_non_negative_integer():
+    from tokenfab.config import EngineConfig
+    EngineConfig(fused_decode_big_max_tokens=0).validate()          # 0: the stack stops at fused_decode_max_tokens
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="fused_decode_big_max_tokens must be a non-negative integer"):
+            EngineConfig(fused_decode_big_max_tokens=bad).validate()

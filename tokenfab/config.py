@@ -70,6 +70,8 @@ class EngineConfig:
                                              # qkv projection already runs the lossy bf16 kernel, else float32
     enable_fused_decode: bool = True         # cpu backend: the whole stack in one C call on small decode steps
     fused_decode_max_tokens: int = 16        # ... of at most this many rows (and where every linear runs qgemm)
+    fused_decode_big_max_tokens: int = 64    # ... and bigger decode steps up to this many rows where every linear's
+                                             # plan keeps reading its qtile layout (qtile, then qbf16); 0: never
     small_batch_tokens: int = DEFAULT_SMALL_BATCH_TOKENS   # serve --small-batch-threads: steps this small
     adaptive_threads: bool = True            # lower the thread count while other processes take cores, restore
                                              # it after (tokenfab/engine/threads.py; CPU, 2+ threads)
@@ -122,6 +124,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        v = self.fused_decode_big_max_tokens
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"fused_decode_big_max_tokens must be a non-negative integer, got {v!r}")
         for name in ("kv_cache_memory_fraction", "float_cache_memory_fraction"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not 0 <= v <= 1:

@@ -252,7 +252,7 @@ class LLMEngine:
         release_float_weights(model)
         model.set_attention_backend(model.default_backend(
             config.attention_backend, kv_dtype, fused_decode=config.enable_fused_decode,
-            fused_max_tokens=config.fused_decode_max_tokens,
+            fused_max_tokens=config.fused_decode_max_tokens, fused_big_max_tokens=config.fused_decode_big_max_tokens,
             bf16_prefill_rows=bf16_prefill_rows(model, config.prefill_attention_dtype),
             bf16_prefill_auto=config.prefill_attention_dtype == "auto"))
         r = self.kernel_report

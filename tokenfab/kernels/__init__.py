@@ -476,13 +476,15 @@ def kdequant(raw: torch.Tensor, type_id: int, out_features: int, in_features: in
 
 
 class QLinear(ctypes.Structure):
-    """tf_qlin in cpu.c: one quantized linear's tf_qgemm layout."""
-    _fields_ = [("q", _P), ("d", _P), ("m", _P), ("gs", _I), ("bits", _I)]
+    """tf_qlin in cpu.c: one quantized linear's tf_qgemm layout; with `bf16_from` > 0 (a qtile layout),
+    steps of at least that many rows run tf_qbf16 on it instead."""
+    _fields_ = [("q", _P), ("d", _P), ("m", _P), ("gs", _I), ("bits", _I), ("bf16_from", _I)]
 
     @classmethod
-    def of(cls, layout: tuple) -> "QLinear":
+    def of(cls, layout: tuple, bf16_from: int = 0) -> "QLinear":
         q, d, m, gs, bits = layout
-        return cls(q.data_ptr(), None if d is None else d.data_ptr(), None if m is None else m.data_ptr(), gs, bits)
+        return cls(q.data_ptr(), None if d is None else d.data_ptr(), None if m is None else m.data_ptr(), gs, bits,
+                   bf16_from)
 
 
 class Layer(ctypes.Structure):

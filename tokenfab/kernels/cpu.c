@@ -1532,13 +1532,14 @@ void tf_qdot(float *y, const float *x, int64_t M, int64_t K, int64_t N, const vo
     free(dx16);
 }
 
+#define TF_QTILE 512      /* tf_qgemm's `bits | TF_QTILE`: run tf_qtile (the one-call decode stack's layouts) */
 void tf_qtile(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const float *d,
               const float *m, int64_t gs, int64_t bits);
 
 void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const float *d,
               const float *m, int64_t gs, int64_t bits) {
-    if (bits & 512) {                    /* TF_QTILE: a qtile layout (below) */
-        tf_qtile(y, x, M, K, N, q, d, m, gs, bits & ~512);
+    if (bits & TF_QTILE) {               /* a qtile layout (below) */
+        tf_qtile(y, x, M, K, N, q, d, m, gs, bits & ~TF_QTILE);
         return;
     }
     if (bits & TF_QDOT) {                /* a qdot layout (the one-call decode stack takes either kernel) */
@@ -1618,7 +1619,8 @@ void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
 }
 
 /* A whole decode step of the decoder stack, for a few tokens (one per sequence) and layers whose
- * linears all have a tf_qgemm layout: per layer
+ * linears all have a tf_qgemm layout (a qtile layout may switch to tf_qbf16 from `bf16_from` rows, as its
+ * plan does: decode steps of up to 64 rows): per layer
  *   h = norm(x); qkv = h Wqkv; [q/k norms per head]; RoPE + KV write; a = attention; a = a Wo;
  *   [a = norm(a)]; x += a;  h = norm(x); m = act(h Wgate_up) Wdown; [m = norm(m)]; x += m
  * with the kernels above, in one call instead of ~10 Python calls per layer. x [M, hidden] is the
@@ -1632,7 +1634,20 @@ typedef struct {
     const void *q;
     const float *d, *m;
     int64_t gs, bits;
+    int64_t bf16_from;     /* > 0: steps of at least this many rows run tf_qbf16 on this (qtile) layout, as the
+                            * layer's plan does there (kernel "qbf16"); 0: tf_qgemm at every row count */
 } tf_qlin;
+
+void tf_qbf16(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const void *d,
+              const void *m, int64_t gs, int64_t bits);
+
+/* y [M, N] = x [M, K] through one linear of the stack, with the kernel its plan runs at M rows. */
+static void tf_stack_linear(float *y, const float *x, int64_t M, int64_t K, int64_t N, const tf_qlin *L) {
+    if (L->bf16_from > 0 && M >= L->bf16_from)
+        tf_qbf16(y, x, M, K, N, L->q, L->d, L->m, L->gs, L->bits & ~(int64_t)TF_QTILE);
+    else
+        tf_qgemm(y, x, M, K, N, L->q, L->d, L->m, L->gs, L->bits);
+}
 
 typedef struct {
     const float *ln1, *ln2;
@@ -1666,7 +1681,7 @@ void tf_decode_layers(float *x, int64_t M, int64_t hidden, int64_t n_layers, con
         const tf_layer *L = layers + l;
         const tf_step_view *v = views + (L->window > 0);
         tf_rms_norm(h, x, L->ln1, M, hidden, eps);
-        tf_qgemm(wide, h, M, hidden, qkv_n, L->qkv.q, L->qkv.d, L->qkv.m, L->qkv.gs, L->qkv.bits);
+        tf_stack_linear(wide, h, M, hidden, qkv_n, &L->qkv);
         if (L->q_norm)      /* in place: each row's sum of squares is taken before it is written */
             for (int64_t t = 0; t < M; t++) {
                 tf_rms_norm(wide + t * qkv_n, wide + t * qkv_n, L->q_norm, H, D, eps);
@@ -1684,17 +1699,16 @@ void tf_decode_layers(float *x, int64_t M, int64_t hidden, int64_t n_layers, con
             tf_paged_decode_attention(mid, wide, qkv_n, (const float *)L->k_cache, (const float *)L->v_cache,
                                       v->block_tables, v->bt_stride, v->ctx_lens, M, H, KVH, D, bs, scale, L->window);
         }
-        tf_qgemm(y, mid, M, H * D, hidden, L->o.q, L->o.d, L->o.m, L->o.gs, L->o.bits);
+        tf_stack_linear(y, mid, M, H * D, hidden, &L->o);
         if (L->attn_out_norm) tf_rms_norm(y, y, L->attn_out_norm, M, hidden, eps);
         for (int64_t i = 0; i < M * hidden; i++) x[i] += y[i];
         tf_rms_norm(h, x, L->ln2, M, hidden, eps);
-        tf_qgemm(wide, h, M, hidden, 2 * inter, L->gate_up.q, L->gate_up.d, L->gate_up.m, L->gate_up.gs,
-                 L->gate_up.bits);
+        tf_stack_linear(wide, h, M, hidden, 2 * inter, &L->gate_up);
         if (act == TF_ACT_GELU_TANH)
             tf_gelu_tanh_mul(mid, wide, M, inter);
         else
             tf_silu_mul(mid, wide, M, inter);
-        tf_qgemm(y, mid, M, inter, hidden, L->down.q, L->down.d, L->down.m, L->down.gs, L->down.bits);
+        tf_stack_linear(y, mid, M, inter, hidden, &L->down);
         if (L->mlp_out_norm) tf_rms_norm(y, y, L->mlp_out_norm, M, hidden, eps);
         for (int64_t i = 0; i < M * hidden; i++) x[i] += y[i];
     }
@@ -1727,7 +1741,7 @@ void tf_decode_layers(float *x, int64_t M, int64_t hidden, int64_t n_layers, con
  *   one contiguous load. Float16 where `bits | TF_QTILE_HALF` says so (GGUF's Q4_1 / Q8_0 store theirs in
  *   float16, so widening them is exact and the bytes per token drop by a third of the int4 blocks'),
  *   else float32. */
-#define TF_QTILE 512      /* tf_qgemm's `bits | TF_QTILE`: run tf_qtile (the one-call decode stack's layouts) */
+/* TF_QTILE (tf_qgemm's `bits | TF_QTILE`: run tf_qtile) is defined above tf_qgemm. */
 #define TF_QTILE_ROWS 16  /* rows per pass over the weight (two tiles of 8: each row takes a hi and a lo tile row) */
 #define TF_QTILE_QMAX 32639.f   /* 256 * 127 + 127: the largest q whose hi and lo both fit int8 */
 #define TF_QTILE_HALF 1024      /* a qtile layout's `bits | TF_QTILE_HALF`: its scales and offsets are float16 */
@@ -2294,9 +2308,9 @@ void tf_qbf16(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
 #else
 int64_t tf_amx_available(void) { return 0; }
 int64_t tf_amx_bf16_available(void) { return 0; }
-void tf_qbf16(float *y, const uint16_t *xb, int64_t M, int64_t K, int64_t N, const void *q, const void *d,
+void tf_qbf16(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const void *d,
               const void *m, int64_t gs, int64_t bits) {
-    (void)y, (void)xb, (void)M, (void)K, (void)N, (void)q, (void)d, (void)m, (void)gs, (void)bits;
+    (void)y, (void)x, (void)M, (void)K, (void)N, (void)q, (void)d, (void)m, (void)gs, (void)bits;
 }
 #endif
 

@@ -102,7 +102,8 @@ class CpuBackend(TorchBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, *,
                  c_attention: bool = True, fused_decode: bool = True, fused_max_tokens: int = 16,
-                 bf16_prefill_rows: int | None = None, bf16_prefill_auto: bool = False):
+                 fused_big_max_tokens: int = 0, bf16_prefill_rows: int | None = None,
+                 bf16_prefill_auto: bool = False):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         self.c_attention = c_attention and head_dim <= kernels.MAX_HEAD_DIM
         self.cpu_paged = CpuPagedAttention(num_heads, num_kv_heads, head_dim, block_size)
@@ -112,6 +113,7 @@ class CpuBackend(TorchBackend):
         self.bf16_follows_qkv = bf16_prefill_auto and bf16_prefill_rows is not None
         self.fused_decode = fused_decode and self.c_attention
         self.fused_max_tokens = fused_max_tokens
+        self.fused_big_max_tokens = fused_big_max_tokens
         self._stack: tuple | None = None    # (KV pools' address, rows, ctypes layers, kept tensors) or ()
         self.stack_rows = 0                 # decode steps of up to this many rows take the one-call stack
 
@@ -144,7 +146,7 @@ class CpuBackend(TorchBackend):
             return False
         key = kv_caches[0][0].data_ptr()
         if self._stack is None or self._stack[0] != key:
-            self._stack = _build_stack(model, kv_caches, self.fused_max_tokens) or ()
+            self._stack = _build_stack(model, kv_caches, self.fused_max_tokens, self.fused_big_max_tokens) or ()
             self.stack_rows = self._stack[1] if self._stack else 0
             if not self._stack:
                 return False
@@ -204,11 +206,31 @@ def _set_bf16_feeds(model) -> None:
             mlp_norm.feeds = mlp.gate_up_proj
 
 
-def _build_stack(model, kv_caches, cap: int) -> tuple | None:
+def _stack_reach(plan, cap: int) -> tuple[int, int]:
+    """How many rows the one-call stack can run this plan for, up to cap, and from which row count it
+    runs tf_qbf16 (0: never): the first choice's range (a stack kernel, the caller checked), then any
+    further ones that read the same layout (a qtile layout's `qbf16`, then nothing else)."""
+    first = plan.choices[0]
+    reach, bf16_from = 0, 0
+    for c in plan.choices:
+        if c.state is not first.state or (bf16_from and c.kernel.name != "qbf16"):
+            break
+        if c.kernel.name == "qbf16":
+            bf16_from = bf16_from or reach + 1
+        elif c is not first:
+            break
+        reach = cap if c.max_rows is None else min(c.max_rows, cap)
+        if reach >= cap:
+            break
+    return reach, bf16_from
+
+
+def _build_stack(model, kv_caches, cap: int, big_cap: int = 0) -> tuple | None:
     """The ctypes layer table for kernels.decode_layers, and the most rows it may take: every layer a
     pre-norm block without bias or input scale (q/k norms, output norms, GeGLU and sliding windows are
     the table's per-layer fields: Qwen3, Gemma 3) whose four linears' plans run tf_qgemm (or tf_qdot,
-    through tf_qgemm's flag) from 1 row up; the rows are the smallest qgemm range among them, capped.
+    through tf_qgemm's flag) from 1 row up; the rows are the smallest range among them that the stack
+    can run (_stack_reach: a qtile layout's range, then its `qbf16` one), capped at max(cap, big_cap).
     None if it can't."""
     from tokenfab.kernels.linear import KernelLinear
     from tokenfab.kernels.tuning import STACK_KERNELS, default_plan
@@ -217,7 +239,7 @@ def _build_stack(model, kv_caches, cap: int) -> tuple | None:
     if cfg.qkv_bias or cfg.head_dim > kernels.MAX_HEAD_DIM or cfg.head_dim % 2 \
             or cfg.hidden_act not in kernels.ACTIVATIONS:
         return None
-    rows = cap
+    rows = max(cap, big_cap)
     table = (kernels.Layer * len(model.layers))()
     keep = []                          # the layouts' tensors: the table holds their addresses
     for entry, layer, (k_cache, v_cache) in zip(table, model.layers, kv_caches):
@@ -248,9 +270,9 @@ def _build_stack(model, kv_caches, cap: int) -> tuple | None:
             layout = first.state
             if first.kernel.name not in STACK_KERNELS or kernels.layout_in_features(layout) != lin.in_features:
                 return None
-            if first.max_rows is not None:
-                rows = min(rows, first.max_rows)
-            layouts.append(kernels.QLinear.of(layout))
+            reach, bf16_from = _stack_reach(lin.plan, max(cap, big_cap))
+            rows = min(rows, reach)
+            layouts.append(kernels.QLinear.of(layout, bf16_from))
             keep.append(layout)
         entry.ln1, entry.ln2, entry.attn_out_norm, entry.mlp_out_norm = (
             None if n is None else n.weight.data_ptr() for n in norms)
@@ -298,7 +320,7 @@ def c_float16_pools(attention_backend: str, device: str, head_dim: int, tensor_p
 
 def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                            device: str, dtype: torch.dtype, kv_dtype: torch.dtype, fused_decode: bool = True,
-                           fused_max_tokens: int = 16, scale: float | None = None,
+                           fused_max_tokens: int = 16, fused_big_max_tokens: int = 0, scale: float | None = None,
                            bf16_prefill_rows: int | None = None, bf16_prefill_auto: bool = False) -> AttentionBackend:
     """The backend `name` ("auto" | "torch" | "cpu") for this model and machine; ValueError saying why
     when "cpu" is asked for where it cannot run."""
@@ -317,8 +339,8 @@ def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head
     else:
         c_attention = kv_dtype == torch.float32 or (kv_dtype == torch.float16 and kernels.f16_pools(head_dim) is None)
         backend = CpuBackend(**dims, c_attention=c_attention, fused_decode=fused_decode,
-                             fused_max_tokens=fused_max_tokens, bf16_prefill_rows=bf16_prefill_rows,
-                             bf16_prefill_auto=bf16_prefill_auto)
+                             fused_max_tokens=fused_max_tokens, fused_big_max_tokens=fused_big_max_tokens,
+                             bf16_prefill_rows=bf16_prefill_rows, bf16_prefill_auto=bf16_prefill_auto)
     if scale is not None:           # Gemma 3: query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5
         for paged in (backend.paged, getattr(backend, "cpu_paged", None)):
             if paged is not None:
