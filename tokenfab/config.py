@@ -67,7 +67,7 @@ class EngineConfig:
     prefill_attention_dtype: str = "auto"    # prefill (and chunk) attention on the cpu backend: float32 |
                                              # bfloat16 (AMX / AVX512-BF16 SDPA, 2.2x faster at 512 tokens, lossy) |
                                              # auto: bfloat16 on a CPU with bf16 units from the row count where the
-                                             # qkv projection already runs the lossy bf16 kernel, else float32
+                                             # qkv projection already runs a bf16-activation kernel (bf16, qbf16), else float32
     enable_fused_decode: bool = True         # cpu backend: the whole stack in one C call on small decode steps
     fused_decode_max_tokens: int = 16        # ... of at most this many rows (and where every linear runs qgemm)
     fused_decode_big_max_tokens: int = 64    # ... and bigger decode steps up to this many rows where every linear's

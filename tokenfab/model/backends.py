@@ -213,12 +213,10 @@ def _stack_reach(plan, cap: int) -> tuple[int, int]:
     first = plan.choices[0]
     reach, bf16_from = 0, 0
     for c in plan.choices:
-        if c.state is not first.state or (bf16_from and c.kernel.name != "qbf16"):
-            break
-        if c.kernel.name == "qbf16":
+        if c is not first:
+            if c.kernel.name != "qbf16" or c.state is not first.state:
+                break
             bf16_from = bf16_from or reach + 1
-        elif c is not first:
-            break
         reach = cap if c.max_rows is None else min(c.max_rows, cap)
         if reach >= cap:
             break
