@@ -2223,7 +2223,7 @@ void tf_qbf16(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
      * in L1 and its results land in 32 rows of y, close together. The first version looped pairs outside
      * rows: each pair re-read every row from L3 once they outgrew L2, and its stores strode the whole of y
      * (2048 x 3072 floats: a third of the time went to stores). */
-    const int64_t cb = (((int64_t)1 << 20) / (pair_elems * 2)) > 0 ? ((int64_t)1 << 20) / (pair_elems * 2) : 1;
+    const int64_t per_mb = ((int64_t)1 << 20) / (pair_elems * 2), cb = per_mb > 0 ? per_mb : 1;   /* pairs per block */
 #pragma omp parallel if (ntiles >= 8)
     {
         const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
