@@ -237,7 +237,7 @@ def _build_stack(model, kv_caches, cap: int, big_cap: int = 0) -> tuple | None:
     if cfg.qkv_bias or cfg.head_dim > kernels.MAX_HEAD_DIM or cfg.head_dim % 2 \
             or cfg.hidden_act not in kernels.ACTIVATIONS:
         return None
-    rows = max(cap, big_cap)
+    rows = limit = max(cap, big_cap)
     table = (kernels.Layer * len(model.layers))()
     keep = []                          # the layouts' tensors: the table holds their addresses
     for entry, layer, (k_cache, v_cache) in zip(table, model.layers, kv_caches):
@@ -268,7 +268,7 @@ def _build_stack(model, kv_caches, cap: int, big_cap: int = 0) -> tuple | None:
             layout = first.state
             if first.kernel.name not in STACK_KERNELS or kernels.layout_in_features(layout) != lin.in_features:
                 return None
-            reach, bf16_from = _stack_reach(lin.plan, max(cap, big_cap))
+            reach, bf16_from = _stack_reach(lin.plan, limit)
             rows = min(rows, reach)
             layouts.append(kernels.QLinear.of(layout, bf16_from))
             keep.append(layout)
