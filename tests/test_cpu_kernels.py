@@ -211,6 +211,32 @@ def test_quantized_gemm_rows_are_independent_of_how_many_run_together(make):
         assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows together differ from one at a time"
 
 
+@pytest.mark.parametrize("make", [
+    lambda w: Int4Linear.from_float(w, None, 32),
+    lambda w: Int4Linear.from_float(w, None, 64),
+    lambda w: Int4Linear.from_float(w, None, 128),                          # 608 inputs: padded to 640
+    lambda w: Int8Linear.from_float(w),
+    lambda w: Q8_0Linear(torch.randint(-127, 128, w.shape, dtype=torch.int8), torch.rand(w.shape[0], w.shape[1] // 32)),
+], ids=["int4-g32", "int4-g64", "int4-g128-padded", "int8", "q8_0"])
+def test_qmadd_computes_qgemms_block_dots_with_rows_independent_of_each_other(make):
+    """tf_qmadd reads qgemm's layout with qgemm's int16 activation blocks, outputs in the lanes: the same
+    exact integer dots, float sums in another order (last bits). 400 outputs = 25 units of 16: the two
+    threads' runs are uneven and each expands its weights in more than one L2-sized chunk; 4-row register
+    tiles with a 1-3-row tail; every row the same bits alone and with any others."""
+    if "avx2" not in kernels.compiled_features():
+        pytest.skip("tf_qmadd needs an AVX2 build of the C kernels")
+    torch.manual_seed(6)
+    layer = make(torch.randn(400, 608) * 0.05)
+    layout = layer.cpu_layout()
+    x = torch.randn(67, 608)
+    x = F.pad(x, (0, kernels.layout_in_features(layout) - 608))
+    y = kernels.qmadd(x, *layout, 400)
+    torch.testing.assert_close(y, kernels.qgemm(x, *layout, 400), rtol=1e-5, atol=1e-6 * float(y.abs().max()))
+    for rows in (1, 2, 3, 5, 17, 66):
+        assert torch.equal(kernels.qmadd(x[:rows], *layout, 400), y[:rows]), rows
+    assert torch.equal(kernels.qmadd(x[40:41], *layout, 400), y[40:41])
+
+
 def test_quantized_gemm_runs_gguf_q4_1_blocks_as_shipped(bundled_path):
     gguf = pytest.importorskip("gguf")
     t = next(t for t in gguf.GGUFReader(bundled_path).tensors if t.tensor_type.name == "Q4_1")
@@ -296,7 +322,7 @@ def test_fused_decode_stack_takes_qwen3_qk_norms_with_the_per_layer_path_logits(
     assert llm.engine.block_manager.num_used_blocks() == 0
 
 
-def test_stack_reach_follows_a_qtile_layout_into_qbf16_and_stops_at_other_layouts():
+def test_stack_reach_follows_a_layout_into_its_big_batch_kernel_and_stops_at_other_layouts():
     from tokenfab.kernels.linear import Choice, LinearPlan, get
     from tokenfab.model.backends import _stack_reach
     from tokenfab.quant import kernels as _quant_kernels  # noqa: F401  (registers qtile, qbf16, qgemm)
@@ -310,14 +336,19 @@ def test_stack_reach_follows_a_qtile_layout_into_qbf16_and_stops_at_other_layout
     assert _stack_reach(plan((8, "qgemm", S), (None, "bf16", T)), 64) == (8, 0)
     assert _stack_reach(plan((None, "qgemm", S)), 16) == (16, 0)
     assert _stack_reach(plan((4, "qtile", S), (None, "qbf16", S)), 4) == (4, 0)        # capped before qbf16
+    assert _stack_reach(plan((16, "qgemm", S), (None, "qmadd", S)), 64) == (64, 17)    # qgemm's layout: qmadd
+    assert _stack_reach(plan((16, "qgemm", S), (32, "qmadd", S), (None, "float", T)), 64) == (32, 17)
+    assert _stack_reach(plan((16, "qgemm", S), (None, "qmadd", T)), 64) == (16, 0)     # another layout
 
 
-@pytest.mark.parametrize("ranges", [[(None, "qtile")], [(16, "qtile"), (None, "qbf16")]],
-                         ids=["qtile", "qtile-then-qbf16"])
+@pytest.mark.parametrize("ranges", [[(None, "qtile")], [(16, "qtile"), (None, "qbf16")],
+                                    [(16, "qgemm"), (None, "qmadd")]],
+                         ids=["qtile", "qtile-then-qbf16", "qgemm-then-qmadd"])
 def test_fused_decode_stack_runs_bigger_steps_as_the_layer_path_does(bundled_files, ranges):
     """Decode steps above fused_decode_max_tokens take the one-call stack where every linear's plan keeps
-    reading its qtile layout (up to fused_decode_big_max_tokens): qtile at every row count, or qtile up
-    to 16 rows and qbf16 above (tf_stack_linear), with the per-layer path's logits."""
+    reading the layout it starts with (up to fused_decode_big_max_tokens): qtile at every row count, qtile
+    up to 16 rows and qbf16 above, or qgemm and then qmadd (tf_stack_linear), with the per-layer path's
+    logits."""
     from tokenfab import LLM, SamplingParams
     from tokenfab.kernels import linear as seam
     llm = LLM(loaded=bundled_files, max_model_len=256, num_kv_blocks=256, kernel_autotune=False, max_num_seqs=24)

@@ -31,6 +31,7 @@ def _layers():
 TOLERANCE = {"onednn": 1e-5, "torch": 1e-6, "float": 1e-5, "dequant": 1e-6,
              "qgemm": 1e-4,       # activations as int16 per block of 32
              "qtile": 1e-4,       # the same, on AMX tiles (tests/test_qtile_kernel.py)
+             "qmadd": 1e-4,       # the same activations, outputs in the lanes (tests/test_cpu_kernels.py)
              "qdot": 1e-2,        # activations as int8 per block of 32 (tests/test_qdot_kernels.py checks it exactly)
              "packed": 2 ** -7,   # activations and scales rounded to bfloat16
              "bf16": 2 ** -7,     # activations and the weight copy rounded to bfloat16

@@ -79,6 +79,7 @@ _SIGNATURES = {
     "tf_qtile_ref": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_qtile_vnni": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_qbf16": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
+    "tf_qmadd": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_decode_layers": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I, _F],
 }
 QGEMM_MAX_ROWS = 16     # rows tf_qgemm takes (8 per pass over W, TF_MAX_ROWS in cpu.c); 2-core VM: beats the
@@ -352,6 +353,20 @@ def qgemm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     return y
 
 
+def qmadd(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group_size: int, bits: int,
+          out_features: int) -> torch.Tensor:
+    """As `qgemm` (the same layout, the same int16 activation blocks and exact block dots), for big batches
+    and prefill chunks: the weights expanded to int16 pairs once per call, outputs in the lanes, 16 MACs
+    per vpmaddwd (tf_qmadd in cpu.c; AVX2 builds, out_features a multiple of 16). A row's float sums
+    differ from qgemm's in the last bits and never depend on the other rows."""
+    x = x.contiguous()
+    M, K = x.shape
+    y = torch.empty(M, out_features)
+    _lib.tf_qmadd(y.data_ptr(), x.data_ptr(), M, K, out_features, q.data_ptr(), d.data_ptr(),
+                  None if m is None else m.data_ptr(), group_size, bits)
+    return y
+
+
 QDOT_FLAG = 256          # tf_qgemm's `bits | QDOT_FLAG` runs tf_qdot (a qdot layout in the decode stack)
 QDOT_KQUANT_TYPES = (12, 14)   # Q4_K, Q6_K: the K-quants tf_qdot multiplies in integers
 
@@ -476,15 +491,15 @@ def kdequant(raw: torch.Tensor, type_id: int, out_features: int, in_features: in
 
 
 class QLinear(ctypes.Structure):
-    """tf_qlin in cpu.c: one quantized linear's tf_qgemm layout; with `bf16_from` > 0 (a qtile layout),
-    steps of at least that many rows run tf_qbf16 on it instead."""
-    _fields_ = [("q", _P), ("d", _P), ("m", _P), ("gs", _I), ("bits", _I), ("bf16_from", _I)]
+    """tf_qlin in cpu.c: one quantized linear's tf_qgemm layout; with `big_from` > 0, steps of at least that
+    many rows run the big-batch kernel on it instead: tf_qbf16 on a qtile layout, tf_qmadd on a qgemm one."""
+    _fields_ = [("q", _P), ("d", _P), ("m", _P), ("gs", _I), ("bits", _I), ("big_from", _I)]
 
     @classmethod
-    def of(cls, layout: tuple, bf16_from: int = 0) -> "QLinear":
+    def of(cls, layout: tuple, big_from: int = 0) -> "QLinear":
         q, d, m, gs, bits = layout
         return cls(q.data_ptr(), None if d is None else d.data_ptr(), None if m is None else m.data_ptr(), gs, bits,
-                   bf16_from)
+                   big_from)
 
 
 class Layer(ctypes.Structure):

@@ -51,7 +51,7 @@ READABLE_VERSIONS = (1, 2)  # a version-1 table's measurements still hold: it is
                           # lacks are measured on the next load (a second or so) and saved as version 2
 CACHE_GENERATION = 1      # part of the cache file's name: bump when old measurements become wrong
 STACK_KERNELS = ("qgemm", "qdot", "qtile")   # kernels whose layouts the one-call decode stack runs (tf_qgemm's flags)
-UNIFORM_KERNELS = ("qgemm", "qtile")   # precise kernels whose float sums differ in the last bits: a plan runs one
+UNIFORM_KERNELS = ("qgemm", "qtile", "qmadd")   # precise kernels whose float sums differ in the last bits: a plan runs one
 UNIFORM_ROWS = 16         # of them for every row count up to here (at least the stack's rows), so a token's logits
                           # are the same in a 1-row decode and a 5-row speculative verify (greedy stays identical)
 

@@ -31,6 +31,7 @@ from tokenfab import kernels
 from tokenfab.model.attention import AttentionMetadata, TorchPagedAttention
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+STACK_BIG_KERNELS = ("qbf16", "qmadd")          # what tf_stack_linear runs from a layout's `big_from` rows
 BF16_ACTIVATION_KERNELS = ("bf16", "qbf16")    # linear kernels that round their activations to bfloat16
 
 
@@ -208,19 +209,20 @@ def _set_bf16_feeds(model) -> None:
 
 def _stack_reach(plan, cap: int) -> tuple[int, int]:
     """How many rows the one-call stack can run this plan for, up to cap, and from which row count it
-    runs tf_qbf16 (0: never): the first choice's range (a stack kernel, the caller checked), then any
-    further ones that read the same layout (a qtile layout's `qbf16`, then nothing else)."""
+    runs the layout's big-batch kernel (0: never): the first choice's range (a stack kernel, the caller
+    checked), then a further one that reads the same layout (STACK_BIG_KERNELS: a qtile layout's `qbf16`,
+    a qgemm layout's `qmadd`), then nothing else."""
     first = plan.choices[0]
-    reach, bf16_from = 0, 0
+    reach, big_from = 0, 0
     for c in plan.choices:
         if c is not first:
-            if c.kernel.name != "qbf16" or c.state is not first.state:
+            if c.kernel.name not in STACK_BIG_KERNELS or c.state is not first.state:
                 break
-            bf16_from = bf16_from or reach + 1
+            big_from = big_from or reach + 1
         reach = cap if c.max_rows is None else min(c.max_rows, cap)
         if reach >= cap:
             break
-    return reach, bf16_from
+    return reach, big_from
 
 
 def _build_stack(model, kv_caches, cap: int, big_cap: int = 0) -> tuple | None:
@@ -228,7 +230,8 @@ def _build_stack(model, kv_caches, cap: int, big_cap: int = 0) -> tuple | None:
     pre-norm block without bias or input scale (q/k norms, output norms, GeGLU and sliding windows are
     the table's per-layer fields: Qwen3, Gemma 3) whose four linears' plans run tf_qgemm (or tf_qdot,
     through tf_qgemm's flag) from 1 row up; the rows are the smallest range among them that the stack
-    can run (_stack_reach: a qtile layout's range, then its `qbf16` one), capped at max(cap, big_cap).
+    can run (_stack_reach: a qgemm or qtile layout's range, then its big-batch kernel's), capped at
+    max(cap, big_cap).
     None if it can't."""
     from tokenfab.kernels.linear import KernelLinear
     from tokenfab.kernels.tuning import STACK_KERNELS, default_plan
@@ -268,9 +271,9 @@ def _build_stack(model, kv_caches, cap: int, big_cap: int = 0) -> tuple | None:
             layout = first.state
             if first.kernel.name not in STACK_KERNELS or kernels.layout_in_features(layout) != lin.in_features:
                 return None
-            reach, bf16_from = _stack_reach(lin.plan, limit)
+            reach, big_from = _stack_reach(lin.plan, limit)
             rows = min(rows, reach)
-            layouts.append(kernels.QLinear.of(layout, bf16_from))
+            layouts.append(kernels.QLinear.of(layout, big_from))
             keep.append(layout)
         entry.ln1, entry.ln2, entry.attn_out_norm, entry.mlp_out_norm = (
             None if n is None else n.weight.data_ptr() for n in norms)

@@ -5,6 +5,9 @@ measured table (tokenfab/kernels/tuning.py), not here:
 - **qgemm**: tokenfab's C kernel (tokenfab/kernels/cpu.c, `tf_qgemm`): reads int4 / int8 / Q8_0 blocks
   directly, activations as int16 per block of 32 (relative error ~2^-16: KL 3e-7 against float on the
   bundled model, where bf16 activations give 1e-3). 8 rows per pass over the weight: decode steps.
+- **qmadd**: tf_qmadd (cpu.c), qgemm's layout and activations with the outputs in the vector lanes: the
+  weights expanded to int16 pairs once per call, 16 MACs per vpmaddwd. As precise as qgemm; big batches
+  and prefill chunks on CPUs without AMX, where qgemm costs what a float32 GEMM does.
 - **qtile**: tf_qtile (cpu.c), int4 / int8 / Q8_0 blocks on AMX int8 tiles: the int16 activations of
   qgemm split into two exact int8 halves, so as precise; a block for 16 outputs and up to 8 rows in one
   tile multiply, so extra rows (speculative verify, small decode batches) cost little. AMX CPUs only.
@@ -31,7 +34,7 @@ from tokenfab import kernels as cpu_kernels
 from tokenfab.kernels.linear import KQUANT_FORMATS, register
 
 KERNEL_ALIASES = {"cpu": "qgemm"}     # the C kernel's name before the registry (CLI --kernel cpu)
-KERNELS = ("auto", "qgemm", "cpu", "qdot", "qtile", "qbf16", "packed", "float", "dequant")   # what `quant eval --kernel` offers
+KERNELS = ("auto", "qgemm", "cpu", "qmadd", "qdot", "qtile", "qbf16", "packed", "float", "dequant")   # what `quant eval --kernel` offers
 
 
 def _on_cpu(layer) -> bool:
@@ -64,6 +67,38 @@ class QGemm:
         if bits == 4 and x.shape[1] != q.shape[1] * 2:          # int4 rows padded to whole groups
             x = F.pad(x, (0, q.shape[1] * 2 - x.shape[1]))
         return cpu_kernels.qgemm(x, q, d, m, gs, bits, layer.out_features)
+
+
+class QMadd:
+    """tf_qmadd (tokenfab/kernels/cpu.c): qgemm's layout (the same prepared state: no copy) and qgemm's int16
+    activation blocks, so the same exact integer dot per block; the outputs sit in the vector lanes, each
+    thread expands its weights to int16 pairs once per call and every row then costs one vpmaddwd + vpaddd
+    per 2 inputs and 8 outputs. For big batches and prefill chunks on CPUs without AMX (AVX2 / AVX-512),
+    where qgemm's per-row cost is a float32 GEMM's and the table took the 4-byte float copy. Its float sums
+    differ from qgemm's in the last bits (UNIFORM_KERNELS, tuning.py)."""
+    name, formats, tune_max_rows, float_copy = "qmadd", ("int8", "int4", "q8_0"), None, False
+    rank, lossy = 0, False            # ahead of the float copy on a tie: no copy to keep
+    layout = "qgemm"                  # build_plan shares qgemm's prepared state
+
+    def supports(self, layer):
+        why = QGemm().supports(layer)
+        if why is not None:
+            return why
+        if "avx2" not in cpu_kernels.compiled_features():
+            return "it needs an AVX2 build of tokenfab's C kernels"
+        if layer.out_features % 16:
+            return "it expands outputs 16 at a time (out_features not a multiple of 16)"
+        return None
+
+    prepare = QGemm.prepare
+
+    def run(self, state, x, layer):
+        if x.dtype is not torch.float32:
+            return self.run(state, x.float(), layer).to(x.dtype)
+        q, d, m, gs, bits = state
+        if bits == 4 and x.shape[1] != q.shape[1] * 2:
+            x = F.pad(x, (0, q.shape[1] * 2 - x.shape[1]))
+        return cpu_kernels.qmadd(x, q, d, m, gs, bits, layer.out_features)
 
 
 class QDot:
@@ -211,7 +246,7 @@ class W8A8:
         return w8a8_linear(x, state).to(x.dtype)
 
 
-for _k in (QGemm(), QDot(), QTile(), QBf16(), Packed(), W8A8()):
+for _k in (QGemm(), QMadd(), QDot(), QTile(), QBf16(), Packed(), W8A8()):
     register(_k)
 
 
