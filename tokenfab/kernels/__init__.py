@@ -340,17 +340,23 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _glu(_lib.tf_gelu_tanh_mul, gate_up)
 
 
+def _layout_call(fn, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None,
+                 group_size: int, bits: int, out_features: int) -> torch.Tensor:
+    """y [M, out] float32 = fn(x [M, K], a tf_qgemm-style layout): the C calls of qgemm, qmadd and qdot."""
+    x = x.contiguous()
+    M, K = x.shape
+    y = torch.empty(M, out_features)
+    fn(y.data_ptr(), x.data_ptr(), M, K, out_features, q.data_ptr(), None if d is None else d.data_ptr(),
+       None if m is None else m.data_ptr(), group_size, bits)
+    return y
+
+
 def qgemm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group_size: int, bits: int,
           out_features: int) -> torch.Tensor:
     """x [M, K] float32 @ a quantized [out, K] weight (layouts in cpu.c), float32 [M, out]; M up to
     QGEMM_MAX_ROWS in the engine (any M works: 8 rows per pass over the weight).
     Activations enter as int16 per block of 32 (relative error ~2^-16)."""
-    x = x.contiguous()
-    M, K = x.shape
-    y = torch.empty(M, out_features)
-    _lib.tf_qgemm(y.data_ptr(), x.data_ptr(), M, K, out_features, q.data_ptr(), d.data_ptr(),
-                  None if m is None else m.data_ptr(), group_size, bits)
-    return y
+    return _layout_call(_lib.tf_qgemm, x, q, d, m, group_size, bits, out_features)
 
 
 def qmadd(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group_size: int, bits: int,
@@ -359,12 +365,7 @@ def qmadd(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     and prefill chunks: the weights expanded to int16 pairs once per call, outputs in the lanes, 16 MACs
     per vpmaddwd (tf_qmadd in cpu.c; AVX2 builds, out_features a multiple of 16). A row's float sums
     differ from qgemm's in the last bits and never depend on the other rows."""
-    x = x.contiguous()
-    M, K = x.shape
-    y = torch.empty(M, out_features)
-    _lib.tf_qmadd(y.data_ptr(), x.data_ptr(), M, K, out_features, q.data_ptr(), d.data_ptr(),
-                  None if m is None else m.data_ptr(), group_size, bits)
-    return y
+    return _layout_call(_lib.tf_qmadd, x, q, d, m, group_size, bits, out_features)
 
 
 QDOT_FLAG = 256          # tf_qgemm's `bits | QDOT_FLAG` runs tf_qdot (a qdot layout in the decode stack)
@@ -375,12 +376,7 @@ def qdot(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | No
          out_features: int) -> torch.Tensor:
     """As `qgemm`, with activations as int8 per block of 32 (llama.cpp's approach) and integer dot
     products: vpdpbusd where the build has VNNI, AVX2 maddubs otherwise (tf_qdot in cpu.c)."""
-    x = x.contiguous()
-    M, K = x.shape
-    y = torch.empty(M, out_features)
-    _lib.tf_qdot(y.data_ptr(), x.data_ptr(), M, K, out_features, q.data_ptr(),
-                 None if d is None else d.data_ptr(), None if m is None else m.data_ptr(), group_size, bits)
-    return y
+    return _layout_call(_lib.tf_qdot, x, q, d, m, group_size, bits, out_features)
 
 
 QTILE_FLAG = 512         # tf_qgemm's `bits | QTILE_FLAG` runs tf_qtile (a qtile layout in the decode stack)

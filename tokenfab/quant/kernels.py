@@ -60,16 +60,18 @@ class QGemm:
     def prepare(self, layer):
         return layer.cpu_layout()
 
+    call = "qgemm"                    # the function in tokenfab.kernels that run() calls on the layout
+
     def run(self, state, x, layer):
         if x.dtype is not torch.float32:      # a plan made for float32 fed another dtype (offline tools)
             return self.run(state, x.float(), layer).to(x.dtype)
         q, d, m, gs, bits = state
         if bits == 4 and x.shape[1] != q.shape[1] * 2:          # int4 rows padded to whole groups
             x = F.pad(x, (0, q.shape[1] * 2 - x.shape[1]))
-        return cpu_kernels.qgemm(x, q, d, m, gs, bits, layer.out_features)
+        return getattr(cpu_kernels, self.call)(x, q, d, m, gs, bits, layer.out_features)
 
 
-class QMadd:
+class QMadd(QGemm):
     """tf_qmadd (tokenfab/kernels/cpu.c): qgemm's layout (the same prepared state: no copy) and qgemm's int16
     activation blocks, so the same exact integer dot per block; the outputs sit in the vector lanes, each
     thread expands its weights to int16 pairs once per call and every row then costs one vpmaddwd + vpaddd
@@ -78,10 +80,10 @@ class QMadd:
     differ from qgemm's in the last bits (UNIFORM_KERNELS, tuning.py)."""
     name, formats, tune_max_rows, float_copy = "qmadd", ("int8", "int4", "q8_0"), None, False
     rank, lossy = 0, False            # ahead of the float copy on a tie: no copy to keep
-    layout = "qgemm"                  # build_plan shares qgemm's prepared state
+    layout, call = "qgemm", "qmadd"   # build_plan shares qgemm's prepared state
 
     def supports(self, layer):
-        why = QGemm().supports(layer)
+        why = super().supports(layer)
         if why is not None:
             return why
         if "avx2" not in cpu_kernels.compiled_features():
@@ -89,16 +91,6 @@ class QMadd:
         if layer.out_features % 16:
             return "it expands outputs 16 at a time (out_features not a multiple of 16)"
         return None
-
-    prepare = QGemm.prepare
-
-    def run(self, state, x, layer):
-        if x.dtype is not torch.float32:
-            return self.run(state, x.float(), layer).to(x.dtype)
-        q, d, m, gs, bits = state
-        if bits == 4 and x.shape[1] != q.shape[1] * 2:
-            x = F.pad(x, (0, q.shape[1] * 2 - x.shape[1]))
-        return cpu_kernels.qmadd(x, q, d, m, gs, bits, layer.out_features)
 
 
 class QDot:
