@@ -55,11 +55,12 @@ def _eval_args(e) -> None:
                    "written by `tokenfab quant`")
     e.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default=None,
                    help="int8: the candidate attends over the int8 KV cache (default: auto, float)")
-    e.add_argument("--kernel", choices=("auto", "qgemm", "qdot", "qtile", "packed", "float", "bf16", "dequant"), default=None,
+    e.add_argument("--kernel", choices=("auto", "qgemm", "qmadd", "qdot", "qtile", "packed", "float", "bf16", "dequant"), default=None,
                    help="quantized layers' path: auto (by token count; whole windows dequantize, so the numbers "
                         "are the weights' error), qdot (int8 activation blocks, integer dot products), packed "
                         "(torch's packed CPU kernels, bf16 activations), bf16 (a bfloat16 oneDNN copy; CPUs with bf16 units) or dequant. Decode's C kernel (qgemm) "
-                        "computes in float32, as dequant does; qtile is the same on AMX int8 tiles (CPUs with amx_int8)")
+                        "computes in float32, as dequant does; qtile is the same on AMX int8 tiles (CPUs with amx_int8), qmadd "
+                        "the same with the outputs in the vector lanes (big batches on AVX2)")
     e.add_argument("--text", metavar="FILE", help="evaluation text (default: the bundled human-written English)")
     e.add_argument("--ctx", type=int, metavar="N", default=None, help="tokens per window (default: 512)")
     e.add_argument("--max-windows", type=int, metavar="N", default=None,
