@@ -237,6 +237,17 @@ def test_qmadd_computes_qgemms_block_dots_with_rows_independent_of_each_other(ma
     assert torch.equal(kernels.qmadd(x[40:41], *layout, 400), y[40:41])
 
 
+def test_qmadd_is_not_offered_where_amx_bf16_runs_big_batches(monkeypatch):
+    """On AMX bf16 CPUs qbf16 runs the big batches on the qtile layout the decode rows read (one layout, the
+    stack up to 64 rows); qmadd would add qgemm's layout beside it, so it is not a candidate there."""
+    from tokenfab.kernels import linear as seam
+    if "avx2" not in kernels.compiled_features():
+        pytest.skip("qmadd needs an AVX2 build of the C kernels")
+    layer = Int4Linear.from_float(torch.randn(32, 64) * 0.05, None, 32)
+    monkeypatch.setattr(kernels, "amx_bf16_available", lambda: True)
+    assert "qbf16" in seam.get("qmadd").supports(layer)
+
+
 def test_quantized_gemm_runs_gguf_q4_1_blocks_as_shipped(bundled_path):
     gguf = pytest.importorskip("gguf")
     t = next(t for t in gguf.GGUFReader(bundled_path).tensors if t.tensor_type.name == "Q4_1")

@@ -75,9 +75,10 @@ class QMadd(QGemm):
     """tf_qmadd (tokenfab/kernels/cpu.c): qgemm's layout (the same prepared state: no copy) and qgemm's int16
     activation blocks, so the same exact integer dot per block; the outputs sit in the vector lanes, each
     thread expands its weights to int16 pairs once per call and every row then costs one vpmaddwd + vpaddd
-    per 2 inputs and 8 outputs. For big batches and prefill chunks on CPUs without AMX (AVX2 / AVX-512),
-    where qgemm's per-row cost is a float32 GEMM's and the table took the 4-byte float copy. Its float sums
-    differ from qgemm's in the last bits (UNIFORM_KERNELS, tuning.py)."""
+    per 2 inputs and 8 outputs. For big batches and prefill chunks on CPUs without AMX bf16 (AVX2 / AVX-512;
+    where AMX bf16 runs qbf16, qmadd is not offered), where qgemm's per-row cost is a float32 GEMM's and the
+    table took the 4-byte float copy. Its float sums differ from qgemm's in the last bits (UNIFORM_KERNELS,
+    tuning.py)."""
     name, formats, tune_max_rows, float_copy = "qmadd", ("int8", "int4", "q8_0"), None, False
     rank, lossy = 0, False            # ahead of the float copy on a tie: no copy to keep
     layout, call = "qgemm", "qmadd"   # build_plan shares qgemm's prepared state
@@ -90,6 +91,10 @@ class QMadd(QGemm):
             return "it needs an AVX2 build of tokenfab's C kernels"
         if layer.out_features % 16:
             return "it expands outputs 16 at a time (out_features not a multiple of 16)"
+        if cpu_kernels.amx_bf16_available():
+            # there qbf16 runs big batches on the qtile layout the decode rows read (one layout, the stack up
+            # to 64 rows: measured, session 13); qmadd there is unmeasured and would keep qgemm's layout too
+            return "AMX bf16 tiles run big batches here (qbf16, on the qtile layout the decode rows use)"
         return None
 
 
