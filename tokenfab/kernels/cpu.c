@@ -1815,11 +1815,12 @@ void tf_qbf16(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
 
 /* y [M, N] = x [M, K] through one linear of the stack, with the kernel its plan runs at M rows. */
 static void tf_stack_linear(float *y, const float *x, int64_t M, int64_t K, int64_t N, const tf_qlin *L) {
-    if (L->big_from > 0 && M >= L->big_from && (L->bits & TF_QTILE))
-        tf_qbf16(y, x, M, K, N, L->q, L->d, L->m, L->gs, L->bits & ~(int64_t)TF_QTILE);
-    else if (L->big_from > 0 && M >= L->big_from)
-        tf_qmadd(y, x, M, K, N, L->q, L->d, L->m, L->gs, L->bits);
-    else
+    if (L->big_from > 0 && M >= L->big_from) {      /* the big-batch kernel of this layout */
+        if (L->bits & TF_QTILE)
+            tf_qbf16(y, x, M, K, N, L->q, L->d, L->m, L->gs, L->bits & ~(int64_t)TF_QTILE);
+        else
+            tf_qmadd(y, x, M, K, N, L->q, L->d, L->m, L->gs, L->bits);
+    } else
         tf_qgemm(y, x, M, K, N, L->q, L->d, L->m, L->gs, L->bits);
 }
 
