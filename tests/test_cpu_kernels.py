@@ -341,15 +341,55 @@ def test_stack_reach_follows_a_layout_into_its_big_batch_kernel_and_stops_at_oth
 
     def plan(*cs):
         return LinearPlan([Choice(rows, get(name), state) for rows, name, state in cs])
-    assert _stack_reach(plan((16, "qtile", S), (None, "qbf16", S)), 64) == (64, 17)
-    assert _stack_reach(plan((16, "qtile", S), (32, "qbf16", S), (None, "qtile", S)), 64) == (32, 17)
-    assert _stack_reach(plan((16, "qtile", S), (None, "qbf16", T)), 64) == (16, 0)     # another layout
-    assert _stack_reach(plan((8, "qgemm", S), (None, "bf16", T)), 64) == (8, 0)
-    assert _stack_reach(plan((None, "qgemm", S)), 16) == (16, 0)
-    assert _stack_reach(plan((4, "qtile", S), (None, "qbf16", S)), 4) == (4, 0)        # capped before qbf16
-    assert _stack_reach(plan((16, "qgemm", S), (None, "qmadd", S)), 64) == (64, 17)    # qgemm's layout: qmadd
-    assert _stack_reach(plan((16, "qgemm", S), (32, "qmadd", S), (None, "float", T)), 64) == (32, 17)
-    assert _stack_reach(plan((16, "qgemm", S), (None, "qmadd", T)), 64) == (16, 0)     # another layout
+    assert _stack_reach(plan((16, "qtile", S), (None, "qbf16", S)), 64) == (((1, 64),), 17)
+    assert _stack_reach(plan((16, "qtile", S), (32, "qbf16", S), (None, "qtile", S)), 64) == (((1, 32),), 17)
+    assert _stack_reach(plan((16, "qtile", S), (None, "qbf16", T)), 64) == (((1, 16),), 0)     # another layout
+    assert _stack_reach(plan((8, "qgemm", S), (None, "bf16", T)), 64) == (((1, 8),), 0)
+    assert _stack_reach(plan((None, "qgemm", S)), 16) == (((1, 16),), 0)
+    assert _stack_reach(plan((4, "qtile", S), (None, "qbf16", S)), 4) == (((1, 4),), 0)        # capped before qbf16
+    assert _stack_reach(plan((16, "qgemm", S), (None, "qmadd", S)), 64) == (((1, 64),), 17)    # qgemm's layout: qmadd
+    assert _stack_reach(plan((16, "qgemm", S), (32, "qmadd", S), (None, "float", T)), 64) == (((1, 32),), 17)
+    assert _stack_reach(plan((16, "qgemm", S), (None, "qmadd", T)), 64) == (((1, 16),), 0)     # another layout
+    # a float copy the table picked in between: the stack runs the rows on either side of it
+    assert _stack_reach(plan((16, "qtile", S), (32, "bf16", T), (None, "qbf16", S)), 64) == (((1, 16), (33, 64)), 33)
+    assert _stack_reach(plan((8, "qtile", S), (16, "qbf16", S), (32, "bf16", T), (None, "qbf16", S)), 64) \
+        == (((1, 16), (33, 64)), 9)
+
+
+def test_the_stack_runs_the_row_counts_every_linear_allows(bundled_files, monkeypatch):
+    """The plans take a float copy at 17-32 rows: the stack's rows leave those out (1-16 and 33-64, as
+    describe() says), 20-row steps take the layer path, 36-row steps the stack, with its logits."""
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.kernels import linear as seam
+    llm = LLM(loaded=bundled_files, max_model_len=256, num_kv_blocks=512, kernel_autotune=False, max_num_seqs=40)
+    model = llm.engine.model
+    first, big = ("qtile", "qbf16") if kernels.amx_bf16_available() else ("qgemm", "qmadd")
+    for layer in model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            for name in (first, big):
+                if seam.get(name).supports(lin) is not None:
+                    pytest.skip(f"{name}: {seam.get(name).supports(lin)}")
+            lin.plan = seam.build_plan(lin, [(16, first), (32, "dequant"), (None, big)])
+    backend = model.attention_backend
+    backend._stack = None
+    stacked = []
+    real = kernels.decode_layers
+    monkeypatch.setattr(kernels, "decode_layers", lambda x, *a: (stacked.append(x.shape[0]), real(x, *a))[1])
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
+    for n in (20, 36):
+        prompts = [[100 + i, 200 + i, 300 + i] for i in range(n)]
+        runs = {}
+        for fused in (True, False):
+            backend.fused_decode = fused
+            stacked.clear()
+            runs[fused] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+            if fused:
+                assert (n in stacked) == (n == 36), stacked
+        assert runs[True] == runs[False]
+    assert backend._stack[1] == frozenset(range(1, 17)) | frozenset(range(33, 65))
+    backend.fused_decode = True
+    assert "one-call decode stack at 1-16, 33-64 rows" in backend.describe()
+    assert llm.engine.block_manager.num_used_blocks() == 0
 
 
 @pytest.mark.parametrize("ranges", [[(None, "qtile")], [(16, "qtile"), (None, "qbf16")],

@@ -87,6 +87,29 @@ def test_registry_picks_the_measured_best_per_row_count(monkeypatch):
     assert model[0].plan.names() == [(16, "qgemm"), (None, "float")]
 
 
+def test_above_the_small_stack_rows_a_float_copy_must_beat_the_stacks_own_kernels_by_the_stack_margin(monkeypatch):
+    # qtile (precise) then qbf16 (lossy, bf16 activations) on one layout; the bf16 float copy (lossy) is
+    # 15 % faster than qbf16 at 32-64 rows and 4x at 512: within the big stack rows (17-64) qbf16 keeps
+    # them (a float copy would stop the one-call stack there), above them the copy wins
+    for name in ("qtile", "qbf16", "bf16", "float"):
+        monkeypatch.setattr(seam.get(name), "supports", lambda layer: None)
+    model = _int4_model(1)
+    key = model[0].shape_key()
+    rows = (1, 16, 32, 64, 512)
+    tbl = _table(key, {"qtile": [1.0, 1.0, 10.0, 20.0, 80.0], "qbf16": [4.0, 4.0, 4.0, 4.2, 8.0],
+                       "bf16": [4.0, 4.0, 3.4, 3.6, 2.0]}, rows)
+    kw = dict(max_rows=512, head_max_rows=8, table=tbl, autotune=False, float_copy_budget=1 << 30, stack_rows=16)
+    select_kernels(model, **kw)
+    assert model[0].plan.names() == [(16, "qtile"), (None, "bf16")]
+    select_kernels(model, **kw, big_stack_rows=64)
+    assert model[0].plan.names() == [(16, "qtile"), (64, "qbf16"), (None, "bf16")]
+    # a precise pick (the float32 copy) is never displaced by the stack's lossy kernel
+    kw["table"] = _table(key, {"qtile": [1.0, 1.0, 10.0, 20.0, 80.0], "qbf16": [4.0, 4.0, 3.0, 3.0, 8.0],
+                               "float": [4.0, 4.0, 4.0, 6.0, 6.0]}, rows)
+    select_kernels(model, **kw, big_stack_rows=64)
+    assert model[0].plan.names() == [(16, "qtile"), (None, "float")]
+
+
 def test_a_kernel_must_beat_the_preferred_one_by_a_margin_and_a_lossy_one_by_more(monkeypatch):
     monkeypatch.setattr(seam.get("qgemm"), "supports", lambda layer: None)
     model = _int4_model(1)

@@ -280,6 +280,26 @@ def _needs_amx_bf16():
         pytest.skip(f"needs AMX bf16 tiles and the kernel's permission (this CPU's kernels: {kernels.describe()})")
 
 
+def test_qbf16_as_the_first_tile_call_of_a_process_runs_or_refuses_without_crashing():
+    """qbf16 called before anything asked for AMX: Linux grants the tile state only when asked, so a first
+    tile instruction without it dies with SIGILL (it did, in a benchmark script); the wrapper asks first,
+    and where AMX bf16 is missing (TOKENFAB_NO_AMX=1 here) it raises instead."""
+    code = ("import torch\n"
+            "from tokenfab import kernels\n"
+            "from tokenfab.quant.linear import Int4Linear\n"
+            "assert kernels.enabled()\n"
+            "lay = kernels.qtile_pack(Int4Linear.from_float(torch.randn(64, 128) * 0.05, None, 32).cpu_layout(), 64)\n"
+            "try:\n"
+            "    print(tuple(kernels.qbf16(torch.randn(3, 128), *lay, 64).shape))\n"
+            "except RuntimeError as e:\n"
+            "    print('refused:', e)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for env, expect in ((dict(os.environ), "(3, 64)" if kernels.amx_bf16_available() else "refused"),
+                        (dict(os.environ, TOKENFAB_NO_AMX="1"), "refused")):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=root)
+        assert out.returncode == 0 and out.stdout.strip().startswith(expect), (out.returncode, out.stdout, out.stderr[-2000:])
+
+
 @pytest.mark.parametrize("name", list(_layers()))
 def test_qbf16_computes_what_the_bf16_float_copy_computes(name):
     """tf_qbf16 expands each tile's weights to bf16 inside the kernel: the same bf16 weights as the float

@@ -248,6 +248,7 @@ class LLMEngine:
             autotune=config.kernel_autotune and config.device == "cpu", dtype=self.dtype,
             force=KERNEL_ALIASES.get(config.linear_kernel, config.linear_kernel), float_copy_budget=float_budget,
             stack_rows=config.fused_decode_max_tokens if config.enable_fused_decode else 0,
+            big_stack_rows=config.fused_decode_big_max_tokens if config.enable_fused_decode else 0,
             int8_activations=config.int8_activations)
         release_float_weights(model)
         model.set_attention_backend(model.default_backend(

@@ -455,7 +455,10 @@ def qbf16(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
           out_features: int) -> torch.Tensor:
     """x [M, K] @ a qtile layout (`qtile_pack`) on AMX bf16 tiles (tf_qbf16), float32 [M, out]: the weights
     expanded to bf16 per tile of 16 outputs inside the kernel (as the bf16 float copy holds them), x
-    rounded to bf16 (as the bf16 kernel rounds it), float32 sums. Needs `amx_bf16_available()`."""
+    rounded to bf16 (as the bf16 kernel rounds it), float32 sums. Needs `amx_bf16_available()`: it is
+    asked here (answered once), which also has Linux grant the tile state before the first tile instruction."""
+    if not _lib.tf_amx_bf16_available():
+        raise RuntimeError("qbf16 needs AMX bf16 tiles, which this CPU or process does not have")
     x = x.float().contiguous()
     M, K = x.shape
     y = torch.empty(M, out_features)

@@ -2332,11 +2332,15 @@ tf_qtile_tile(const int M, float *y, int64_t N, const int8_t *a, const float *dx
  * their quantized bytes, and no float copy is kept. Activations are rounded to bf16 as the bf16 kernel
  * rounds them (x: bf16 [rows rounded up to 16, K], the padding rows zero). */
 int64_t tf_amx_bf16_available(void) {
-    unsigned a, b, c, dd, a1, b1, c1, d1;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(dd) : "a"(7), "c"(0));
-    __asm__ volatile("cpuid" : "=a"(a1), "=b"(b1), "=c"(c1), "=d"(d1) : "a"(7), "c"(1));
-    /* CPUID 7.0 EDX bit 22: amx_bf16; 7.1 EAX bit 5: avx512_bf16 (the expansion's conversions) */
-    return (dd >> 22 & 1) && (a1 >> 5 & 1) && tf_amx_available();
+    static int state = -1;      /* asked once: cpuid traps to the hypervisor in a VM, and qbf16's wrapper asks per call */
+    if (state < 0) {
+        unsigned a, b, c, dd, a1, b1, c1, d1;
+        __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(dd) : "a"(7), "c"(0));
+        __asm__ volatile("cpuid" : "=a"(a1), "=b"(b1), "=c"(c1), "=d"(d1) : "a"(7), "c"(1));
+        /* CPUID 7.0 EDX bit 22: amx_bf16; 7.1 EAX bit 5: avx512_bf16 (the expansion's conversions) */
+        state = (dd >> 22 & 1) && (a1 >> 5 & 1) && tf_amx_available();
+    }
+    return state;
 }
 
 __attribute__((target("amx-tile,amx-bf16"))) static void tf_qbf16_config(void) {

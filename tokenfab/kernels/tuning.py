@@ -51,6 +51,7 @@ READABLE_VERSIONS = (1, 2)  # a version-1 table's measurements still hold: it is
                           # lacks are measured on the next load (a second or so) and saved as version 2
 CACHE_GENERATION = 1      # part of the cache file's name: bump when old measurements become wrong
 STACK_KERNELS = ("qgemm", "qdot", "qtile")   # kernels whose layouts the one-call decode stack runs (tf_qgemm's flags)
+STACK_BIG_KERNELS = ("qbf16", "qmadd")       # what the stack runs on those layouts from a linear's switch row on
 UNIFORM_KERNELS = ("qgemm", "qtile", "qmadd")   # precise kernels whose float sums differ in the last bits: a plan runs one
 UNIFORM_ROWS = 16         # of them for every row count up to here (at least the stack's rows), so a token's logits
                           # are the same in a 1-row decode and a 5-row speculative verify (greedy stays identical)
@@ -199,8 +200,11 @@ class KernelTable:
         entry["rows"] = all_rows
 
     def ranges(self, layer: KernelLinear, allowed: set[str], stack_rows: int = 0,
-               max_rows: int | None = None) -> list[tuple[int | None, str]] | None:
-        """Fastest allowed kernel per measured row count, as plan ranges; None if nothing measured."""
+               max_rows: int | None = None, big_stack_rows: int = 0) -> list[tuple[int | None, str]] | None:
+        """Fastest allowed kernel per measured row count, as plan ranges; None if nothing measured.
+        Up to stack_rows a kernel off the stack must be STACK_MARGIN faster than qgemm; from there up to
+        big_stack_rows, STACK_MARGIN faster than each kernel, no less precise than it, that the stack runs
+        on the layout of the 1-row pick (that kernel, or the layout's big-batch kernel: STACK_BIG_KERNELS)."""
         e = self.entries.get(layer.shape_key())
         if e is None:
             return None
@@ -228,6 +232,15 @@ class KernelTable:
                 if r <= stack_rows and "qgemm" in t and pick not in STACK_KERNELS \
                         and t[pick] > t["qgemm"] * (1 - STACK_MARGIN):
                     pick = "qgemm"
+                elif stack_rows < r <= big_stack_rows and ranges and ranges[0][1] in STACK_KERNELS:
+                    first = ranges[0][1]
+                    layout = getattr(get(first), "layout", first)
+                    on = [k for k in order if k in t and (k == first or (
+                        k in STACK_BIG_KERNELS and getattr(get(k), "layout", None) == layout))]
+                    # on-stack kernels no less precise than the pick that it does not beat by STACK_MARGIN
+                    near = [k for k in on if (pick in lossy or k not in lossy) and t[pick] > t[k] * (1 - STACK_MARGIN)]
+                    if near and pick not in on:
+                        pick = _pick(near, t, lossy)
                 ranges.append((r, pick))
         if not ranges:
             return None
@@ -317,13 +330,14 @@ class KernelReport:
 def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int, autotune: bool = True,
                    force: str = "auto", float_copy_budget: int = 0, table: KernelTable | None = None,
                    head: torch.nn.Module | None = None, dtype: torch.dtype | None = None,
-                   stack_rows: int = 0, int8_activations: bool = False) -> KernelReport:
+                   stack_rows: int = 0, big_stack_rows: int = 0, int8_activations: bool = False) -> KernelReport:
     """Install a LinearPlan in every KernelLinear of `model`, once.
 
     max_rows: the most rows a decoder linear sees in a step (the token budget); head_max_rows: the
     most the LM head sees (one per sampled sequence). force: a kernel name for every layer that it can
     run (the rest stay automatic); "auto" measures (autotune) or uses the default rules. stack_rows:
-    decode steps up to this many rows may take a one-call decode stack that needs qgemm (STACK_MARGIN).
+    decode steps up to this many rows may take a one-call decode stack that needs qgemm (STACK_MARGIN);
+    big_stack_rows: bigger ones up to this many may take it where the plans keep their layout.
     int8_activations: opt-in kernels (`opt_in`, qdot) are measured and chosen too; otherwise they run
     only when forced."""
     layers = plan_linears(model)
@@ -336,8 +350,9 @@ def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int,
     by_key: dict[str, list[KernelLinear]] = {}
     for m in layers:
         by_key.setdefault(m.shape_key(), []).append(m)
-    rows_for = {key: (head_max_rows if any(m is head for m in ms) and len(ms) == 1 else max_rows)
-                for key, ms in by_key.items()}
+    heads = {key for key, ms in by_key.items() if any(m is head for m in ms) and len(ms) == 1}
+    rows_for = {key: head_max_rows if key in heads else max_rows for key in by_key}
+    big_for = {key: 0 if key in heads else big_stack_rows for key in by_key}     # the LM head is not in the stack
 
     opt_out = set() if int8_activations else {k.name for k in registered() if getattr(k, "opt_in", False)}
     tbl = table if table is not None else (KernelTable.load() if autotune else None)
@@ -359,10 +374,10 @@ def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int,
             chosen[key] = [(None, force)]
             continue
         ok -= opt_out
-        r = tbl.ranges(ms[0], ok, stack_rows, rows_for[key]) if tbl is not None else None
+        r = tbl.ranges(ms[0], ok, stack_rows, rows_for[key], big_for[key]) if tbl is not None else None
         chosen[key] = r if r is not None else default_rules(ms[0], allow_float_copy=float_copy_budget > 0)
 
-    _fit_float_copies(chosen, by_key, tbl, float_copy_budget, stack_rows, rows_for, opt_out)
+    _fit_float_copies(chosen, by_key, tbl, float_copy_budget, stack_rows, rows_for, opt_out, big_for)
     for key, ms in by_key.items():
         for m in ms:
             m.plan = build_plan(m, chosen[key])
@@ -382,7 +397,7 @@ def build_describe(ranges: list[tuple[int | None, str]]) -> str:
 
 
 def _fit_float_copies(chosen, by_key, tbl: KernelTable | None, budget: int, stack_rows: int, rows_for,
-                      opt_out: set[str] = frozenset()) -> None:
+                      opt_out: set[str] = frozenset(), big_for: dict | None = None) -> None:
     """Drop the float copies ("float", "bf16") from shapes (best saving per byte kept first) until they fit
     `budget`."""
     copies = {k.name: k.copy_bytes for k in registered() if k.float_copy}   # bytes per weight
@@ -415,5 +430,5 @@ def _fit_float_copies(chosen, by_key, tbl: KernelTable | None, budget: int, stac
             continue
         m = by_key[key][0]
         ok = {k.name for k in candidates(m)} - set(copies) - opt_out
-        r = tbl.ranges(m, ok, stack_rows, rows_for[key]) if tbl is not None else None
+        r = tbl.ranges(m, ok, stack_rows, rows_for[key], (big_for or {}).get(key, 0)) if tbl is not None else None
         chosen[key] = r if r is not None else default_rules(m, allow_float_copy=False)

@@ -28,10 +28,10 @@ from typing import Protocol
 import torch
 
 from tokenfab import kernels
+from tokenfab.kernels.tuning import STACK_BIG_KERNELS
 from tokenfab.model.attention import AttentionMetadata, TorchPagedAttention
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
-STACK_BIG_KERNELS = ("qbf16", "qmadd")          # what tf_stack_linear runs from a layout's `big_from` rows
 BF16_ACTIVATION_KERNELS = ("bf16", "qbf16")    # linear kernels that round their activations to bfloat16
 
 
@@ -116,7 +116,7 @@ class CpuBackend(TorchBackend):
         self.fused_max_tokens = fused_max_tokens
         self.fused_big_max_tokens = fused_big_max_tokens
         self._stack: tuple | None = None    # (KV pools' address, rows, ctypes layers, kept tensors) or ()
-        self.stack_rows = 0                 # decode steps of up to this many rows take the one-call stack
+        self.stack_rows = 0                 # the most rows a decode step may have and take the one-call stack
 
     def install(self, model) -> None:
         _set_c_ops(model, True)
@@ -148,10 +148,10 @@ class CpuBackend(TorchBackend):
         key = kv_caches[0][0].data_ptr()
         if self._stack is None or self._stack[0] != key:
             self._stack = _build_stack(model, kv_caches, self.fused_max_tokens, self.fused_big_max_tokens) or ()
-            self.stack_rows = self._stack[1] if self._stack else 0
+            self.stack_rows = max(self._stack[1]) if self._stack else 0
             if not self._stack:
                 return False
-        if x.shape[0] > self.stack_rows:
+        if x.shape[0] not in self._stack[1]:
             return False
         cfg, paged = model.config, self.cpu_paged
         layers = self._stack[2]
@@ -168,12 +168,27 @@ class CpuBackend(TorchBackend):
 
     def describe(self) -> str:
         attn = "C decode attention, RoPE+KV write" if self.c_attention else "torch attention (int8 KV)"
-        stack = (f"one-call decode stack up to {self.stack_rows} rows" if self.stack_rows
+        stack = (f"one-call decode stack at {_row_ranges(self._stack[1])} rows" if self.stack_rows
                  else "one-call decode stack " + ("checked at the first decode step" if self._stack is None else "off"))
         rows = self.cpu_paged.bf16_rows
         if rows is not None:
             attn += f"; prefill attention in bfloat16 from {rows} tokens"
         return f"cpu ({attn}, C norms; {stack})" if self.fused_decode else f"cpu ({attn}, C norms)"
+
+
+def _row_ranges(rows) -> str:
+    """{1, 2, 3, 5} -> "1-3, 5"."""
+    out, run = [], []
+    for r in sorted(rows):
+        if run and r == run[-1] + 1:
+            run.append(r)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [r]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)
 
 
 def _set_c_ops(model, on: bool) -> None:
@@ -207,30 +222,37 @@ def _set_bf16_feeds(model) -> None:
             mlp_norm.feeds = mlp.gate_up_proj
 
 
-def _stack_reach(plan, cap: int) -> tuple[int, int]:
-    """How many rows the one-call stack can run this plan for, up to cap, and from which row count it
-    runs the layout's big-batch kernel (0: never): the first choice's range (a stack kernel, the caller
-    checked), then a further one that reads the same layout (STACK_BIG_KERNELS: a qtile layout's `qbf16`,
-    a qgemm layout's `qmadd`), then nothing else."""
-    first = plan.choices[0]
-    reach, big_from = 0, 0
+def _stack_reach(plan, cap: int) -> tuple[tuple[tuple[int, int], ...], int]:
+    """At which row counts up to cap the one-call stack can run this plan, as ranges ((lo, hi), ...), and
+    from which row count it runs the layout's big-batch kernel (0: never): the first choice's rows (a
+    stack kernel, the caller checked), then the rows of every choice of that layout's big-batch kernel
+    (STACK_BIG_KERNELS: a qtile layout's `qbf16`, a qgemm layout's `qmadd`). Rows another kernel takes in
+    between (a float copy the table picked at 17-32 rows, say) are left out, and the stack runs the
+    ranges on either side; once the big-batch kernel has started, the first kernel again ends the reach."""
+    first, runs, big_from, lo = plan.choices[0], [], 0, 1
     for c in plan.choices:
-        if c is not first:
-            if c.kernel.name not in STACK_BIG_KERNELS or c.state is not first.state:
-                break
-            big_from = big_from or reach + 1
-        reach = cap if c.max_rows is None else min(c.max_rows, cap)
-        if reach >= cap:
+        hi = cap if c.max_rows is None else min(c.max_rows, cap)
+        big = c is not first and c.state is first.state and c.kernel.name in STACK_BIG_KERNELS
+        if c is not first and not big and big_from and c.state is first.state:
+            break                       # back to the first kernel: tf_stack_linear would run the big one
+        if c is first or big:
+            big_from = big_from or (lo if big else 0)
+            if runs and runs[-1][1] == lo - 1:
+                runs[-1] = (runs[-1][0], hi)
+            else:
+                runs.append((lo, hi))
+        lo = hi + 1
+        if lo > cap:
             break
-    return reach, big_from
+    return tuple(runs), big_from
 
 
 def _build_stack(model, kv_caches, cap: int, big_cap: int = 0) -> tuple | None:
     """The ctypes layer table for kernels.decode_layers, and the most rows it may take: every layer a
     pre-norm block without bias or input scale (q/k norms, output norms, GeGLU and sliding windows are
     the table's per-layer fields: Qwen3, Gemma 3) whose four linears' plans run tf_qgemm (or tf_qdot,
-    through tf_qgemm's flag) from 1 row up; the rows are the smallest range among them that the stack
-    can run (_stack_reach: a qgemm or qtile layout's range, then its big-batch kernel's), capped at
+    through tf_qgemm's flag) from 1 row up; the row counts (a set) are those at which the stack can run
+    every linear (_stack_reach: a qgemm or qtile layout's range, then its big-batch kernel's), up to
     max(cap, big_cap).
     None if it can't."""
     from tokenfab.kernels.linear import KernelLinear
@@ -240,7 +262,8 @@ def _build_stack(model, kv_caches, cap: int, big_cap: int = 0) -> tuple | None:
     if cfg.qkv_bias or cfg.head_dim > kernels.MAX_HEAD_DIM or cfg.head_dim % 2 \
             or cfg.hidden_act not in kernels.ACTIVATIONS:
         return None
-    rows = limit = max(cap, big_cap)
+    limit = max(cap, big_cap)
+    rows = set(range(1, limit + 1))
     table = (kernels.Layer * len(model.layers))()
     keep = []                          # the layouts' tensors: the table holds their addresses
     for entry, layer, (k_cache, v_cache) in zip(table, model.layers, kv_caches):
@@ -272,7 +295,7 @@ def _build_stack(model, kv_caches, cap: int, big_cap: int = 0) -> tuple | None:
             if first.kernel.name not in STACK_KERNELS or kernels.layout_in_features(layout) != lin.in_features:
                 return None
             reach, big_from = _stack_reach(lin.plan, limit)
-            rows = min(rows, reach)
+            rows &= {r for lo, hi in reach for r in range(lo, hi + 1)}
             layouts.append(kernels.QLinear.of(layout, big_from))
             keep.append(layout)
         entry.ln1, entry.ln2, entry.attn_out_norm, entry.mlp_out_norm = (
@@ -282,7 +305,7 @@ def _build_stack(model, kv_caches, cap: int, big_cap: int = 0) -> tuple | None:
         entry.qkv, entry.o, entry.gate_up, entry.down = layouts
         entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         entry.kv_half = int(k_cache.dtype == torch.float16)
-    return kv_caches[0][0].data_ptr(), rows, table, keep
+    return kv_caches[0][0].data_ptr(), frozenset(rows), table, keep
 
 
 def bf16_prefill_rows(model, setting: str = "auto") -> int | None:
