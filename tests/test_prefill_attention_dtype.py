@@ -78,3 +78,55 @@ def test_the_engine_runs_long_prompts_with_bf16_prefill_attention_close_to_float
         runs[dtype] = torch.tensor([next(iter(lp.values())).logprob for lp in out.prompt_logprobs[1:]])
         assert llm.engine.block_manager.num_used_blocks() == 0
     assert (runs["bfloat16"] - runs["float32"]).abs().max() < 0.5
+
+
+def test_token_rows_make_every_query_token_a_decode_kernel_row():
+    """Decodes keep their table and context; a prefill chunk's tokens share their sequence's table and
+    each attends to one more position than the one before (a chunk after 5 cached tokens starts at 6)."""
+    from tokenfab.model.attention import AttentionMetadata, token_rows
+    meta = AttentionMetadata(slot_mapping=torch.arange(7), num_decode_tokens=2,
+                             decode_block_tables=torch.tensor([[3, 4], [5, 0]]), decode_context_lens=torch.tensor([20, 9]),
+                             decode_max_context=20,
+                             prefills=[PrefillChunk(2, 3, 3, torch.tensor([7])), PrefillChunk(5, 2, 7, torch.tensor([8, 9, 10]))])
+    bt, ctx = token_rows(meta)
+    assert bt.tolist() == [[3, 4, 0], [5, 0, 0], [7, 0, 0], [7, 0, 0], [7, 0, 0], [8, 9, 10], [8, 9, 10]]
+    assert ctx.tolist() == [20, 9, 1, 2, 3, 6, 7]
+    assert token_rows(meta)[0] is bt                 # built once per step
+
+
+@pytest.mark.skipif(not kernels.enabled(), reason="no C compiler: the cpu attention backend cannot run")
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
+def test_short_prefill_chunks_through_the_decode_kernel_give_sdpas_results(bundled_files, monkeypatch, kv_cache_dtype):
+    """Prompts of 3-40 tokens prefilled together, one of them after a cached prefix (a chunk with context
+    before it), and later ones beside running decodes: with paged_prefill_max_context (the default) every
+    step's attention is one decode-kernel call; with 0, SDPA per chunk. Both float32: the same prompt
+    logprobs to float rounding, the same greedy tokens, and the kernel path was taken. (With float16
+    pools a last-bit difference upstream can flip a K/V value's rounding, 2^-11 relative: a looser bound.)"""
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.model import backends
+    used = []
+    real = backends.token_rows
+    monkeypatch.setattr(backends, "token_rows", lambda meta: (used.append(len(meta.prefills)), real(meta))[1])
+    shared = list(range(2000, 2032))
+    prompts = [list(range(1000, 1040)), [5, 6, 7], shared + [11, 12], shared + [13, 14, 15], list(range(3000, 3020))]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    runs = {}
+    for limit in (128, 0):
+        llm = LLM(loaded=bundled_files, max_model_len=256, num_kv_blocks=128, kernel_autotune=False,
+                  prefill_attention_dtype="float32", kv_cache_dtype=kv_cache_dtype, paged_prefill_max_context=limit)
+        assert llm.engine.model.attention_backend.paged_prefill_max_context == limit
+        used.clear()
+        llm.generate(prompts[2:3], params, use_tqdm=False)            # caches the shared prefix
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert bool(used) == (limit > 0)
+        runs[limit] = [(o.outputs[0].token_ids,
+                        torch.tensor([next(iter(lp.values())).logprob for lp in o.prompt_logprobs[1:]])) for o in outs]
+        assert llm.engine.block_manager.num_used_blocks() == 0
+    for (tok_k, lp_k), (tok_s, lp_s) in zip(runs[128], runs[0]):
+        assert tok_k == tok_s
+        torch.testing.assert_close(lp_k, lp_s, rtol=0, atol=2e-4 if kv_cache_dtype == "float32" else 5e-3)
+
+
+def test_a_negative_paged_prefill_max_context_is_refused():
+    with pytest.raises(ValueError, match="paged_prefill_max_context must be a non-negative integer"):
+        EngineConfig(paged_prefill_max_context=-1).validate()

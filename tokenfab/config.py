@@ -68,6 +68,11 @@ class EngineConfig:
                                              # bfloat16 (AMX / AVX512-BF16 SDPA, 2.2x faster at 512 tokens, lossy) |
                                              # auto: bfloat16 on a CPU with bf16 units from the row count where the
                                              # qkv projection already runs a bf16-activation kernel (bf16, qbf16), else float32
+    paged_prefill_max_context: int = 128     # cpu backend: prefill chunks whose context (cached + new tokens) is at
+                                             # most this many tokens attend through the paged decode kernel, every
+                                             # token a row reading the pools in place, float32 (1.05-1.14x a prefill
+                                             # step of 32-128-token prompts, even at 160, 0.9x at 192-512 against
+                                             # bf16 SDPA: docs/architecture.md); 0: never
     enable_fused_decode: bool = True         # cpu backend: the whole stack in one C call on small decode steps
     fused_decode_max_tokens: int = 16        # ... of at most this many rows (and where every linear runs qgemm)
     fused_decode_big_max_tokens: int = 64    # ... and bigger decode steps up to this many rows where every linear's
@@ -124,9 +129,10 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        v = self.fused_decode_big_max_tokens
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"fused_decode_big_max_tokens must be a non-negative integer, got {v!r}")
+        for name in ("fused_decode_big_max_tokens", "paged_prefill_max_context"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
         for name in ("kv_cache_memory_fraction", "float_cache_memory_fraction"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not 0 <= v <= 1:

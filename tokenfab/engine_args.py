@@ -165,6 +165,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    help="cpu backend, prefill attention: bfloat16 (AMX / AVX512-BF16, lossy) or float32; auto: "
                         "bfloat16 from the chunk size where the qkv projection runs the bf16 kernel, on CPUs "
                         f"with bf16 units (default: {d.prefill_attention_dtype})")
+    g.add_argument("--paged-prefill-max-context", type=int, default=None, metavar="TOKENS",
+                   help="cpu backend: prefill chunks with at most this many tokens of context attend through the "
+                        f"paged decode kernel (float32) instead of SDPA; 0: never (default: {d.paged_prefill_max_context})")
     g.add_argument("--enable-fused-decode", action=argparse.BooleanOptionalAction, default=None,
                    help=f"cpu backend: one C call for the whole stack on small decode steps "
                         f"(default: {'on' if d.enable_fused_decode else 'off'})")

@@ -255,7 +255,8 @@ class LLMEngine:
             config.attention_backend, kv_dtype, fused_decode=config.enable_fused_decode,
             fused_max_tokens=config.fused_decode_max_tokens, fused_big_max_tokens=config.fused_decode_big_max_tokens,
             bf16_prefill_rows=bf16_prefill_rows(model, config.prefill_attention_dtype),
-            bf16_prefill_auto=config.prefill_attention_dtype == "auto"))
+            bf16_prefill_auto=config.prefill_attention_dtype == "auto",
+            paged_prefill_max_context=config.paged_prefill_max_context))
         r = self.kernel_report
         log.info("kernels: attention %s; linears %s%s", model.attention_backend.name,
                  "; ".join(f"{k} x{r.layers[k]}: {v}" for k, v in r.plans.items()),

@@ -47,6 +47,30 @@ class AttentionMetadata:
     positions: torch.Tensor | None = None      # [num_tokens] int64, for kernels that apply RoPE themselves
     # the sliding-window layers' view when they have their own pool (engine/sliding_kv.py), else None
     sliding: AttentionMetadata | None = None
+    token_rows: tuple[torch.Tensor, torch.Tensor] | None = None   # token_rows(): built on first use
+
+
+def token_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query token of the step as one row of the paged decode-attention kernel: its sequence's
+    block table ([T, max_blocks] int64, zero-padded) and its causal context, the tokens up to and
+    including itself ([T] int64). A prefill chunk's tokens share their sequence's table; each attends to
+    one more position than the token before it. Built once per step and view, on first use."""
+    if meta.token_rows is None:
+        nd, prefills = meta.num_decode_tokens, meta.prefills
+        T = nd + sum(p.query_len for p in prefills)
+        dbt = meta.decode_block_tables if nd else None
+        width = max([dbt.shape[1] if nd else 1] + [p.block_table.numel() for p in prefills])
+        bt = torch.zeros(T, width, dtype=torch.int64)
+        ctx = torch.empty(T, dtype=torch.int64)
+        if nd:
+            bt[:nd, :dbt.shape[1]] = dbt
+            ctx[:nd] = meta.decode_context_lens
+        for p in prefills:
+            s, e = p.query_start, p.query_start + p.query_len
+            bt[s:e, :p.block_table.numel()] = p.block_table
+            torch.arange(p.context_len - p.query_len + 1, p.context_len + 1, out=ctx[s:e])
+        meta.token_rows = (bt, ctx)
+    return meta.token_rows
 
 
 KV_SCALE_BYTES = 4        # one float32 scale per token and head, for K and for V (int8 cache)

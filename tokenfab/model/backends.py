@@ -12,9 +12,12 @@
   in one ctypes call (`tf_decode_layers`): the same kernels in the same order, the same logits,
   without ~10 Python calls per layer. Gemma 3's extra steps (q/k norms, norms on the attention and MLP
   outputs, GeGLU, sliding layers with their own pool and RoPE base) are per-layer fields of its layer
-  table. Prefill attention stays on torch's SDPA, in bfloat16 (AMX / AVX512-BF16) from the chunk
-  size where the qkv projection already runs the lossy bf16 kernel (`prefill_attention_dtype`, see
-  bf16_prefill_rows). float32 on the CPU only; the KV pools float32 or float16 (kv_cache_dtype, read by
+  table. Steps whose prefill chunks are short (context of at most `paged_prefill_max_context` tokens,
+  128 by default) run all their attention, decodes and prefills, as one call of the paged decode
+  kernel: every query token is a row reading its sequence's pools in place up to its own position
+  (attention.token_rows), in float32. Longer chunks stay on torch's SDPA, in bfloat16 (AMX /
+  AVX512-BF16) from the chunk size where the qkv projection already runs the lossy bf16 kernel
+  (`prefill_attention_dtype`, see bf16_prefill_rows). float32 on the CPU only; the KV pools float32 or float16 (kv_cache_dtype, read by
   the layer path and the one-call stack alike); with the int8 KV cache attention falls back to the
   torch path (the C norms stay).
 
@@ -29,7 +32,7 @@ import torch
 
 from tokenfab import kernels
 from tokenfab.kernels.tuning import STACK_BIG_KERNELS
-from tokenfab.model.attention import AttentionMetadata, TorchPagedAttention
+from tokenfab.model.attention import AttentionMetadata, TorchPagedAttention, token_rows
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 BF16_ACTIVATION_KERNELS = ("bf16", "qbf16")    # linear kernels that round their activations to bfloat16
@@ -104,7 +107,7 @@ class CpuBackend(TorchBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, *,
                  c_attention: bool = True, fused_decode: bool = True, fused_max_tokens: int = 16,
                  fused_big_max_tokens: int = 0, bf16_prefill_rows: int | None = None,
-                 bf16_prefill_auto: bool = False):
+                 bf16_prefill_auto: bool = False, paged_prefill_max_context: int = 0):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         self.c_attention = c_attention and head_dim <= kernels.MAX_HEAD_DIM
         self.cpu_paged = CpuPagedAttention(num_heads, num_kv_heads, head_dim, block_size)
@@ -115,6 +118,7 @@ class CpuBackend(TorchBackend):
         self.fused_decode = fused_decode and self.c_attention
         self.fused_max_tokens = fused_max_tokens
         self.fused_big_max_tokens = fused_big_max_tokens
+        self.paged_prefill_max_context = paged_prefill_max_context if self.c_attention else 0
         self._stack: tuple | None = None    # (KV pools' address, rows, ctypes layers, kept tensors) or ()
         self.stack_rows = 0                 # the most rows a decode step may have and take the one-call stack
 
@@ -134,6 +138,10 @@ class CpuBackend(TorchBackend):
         q = qkv[:, :layer.q_size].view(T, layer.h, layer.d)
         k = qkv[:, layer.q_size:layer.q_size + layer.kv_size].view(T, layer.kvh, layer.d)
         v = qkv[:, layer.q_size + layer.kv_size:].view(T, layer.kvh, layer.d)
+        if meta.prefills and self._paged_prefill(meta, layer.window):
+            bt, ctx = token_rows(meta)   # every token a row of the decode kernel, reading the pools in place
+            return kernels.decode_attention(qkv[:, :layer.q_size], kv[0], kv[1], bt, ctx, layer.h, layer.kvh,
+                                            self.cpu_paged.scale, layer.window)
         if meta.prefills and kv[0].dtype != qkv.dtype:   # float16 pools: prefills attend to what they hold
             k, v = k.to(kv[0].dtype).to(qkv.dtype), v.to(kv[1].dtype).to(qkv.dtype)
         if self.bf16_follows_qkv and meta.prefills:
@@ -141,6 +149,13 @@ class CpuBackend(TorchBackend):
             self.cpu_paged.bf16_now = plan is not None and plan.kernel_at(T).kernel.name in BF16_ACTIVATION_KERNELS
             self.cpu_paged.bf16_out = layer.o_bf16 and layer.o_proj.takes_bf16(T)
         return self.cpu_paged.attend(q, k, v, kv[0], kv[1], meta, layer.window)
+
+    def _paged_prefill(self, meta: AttentionMetadata, window: int | None) -> bool:
+        """Whether this step's prefill chunks are short enough for the paged decode kernel: each context
+        (cached + new tokens) at most paged_prefill_max_context, and within a sliding layer's window (its
+        pool may hold only the window, so a longer chunk's first tokens may be overwritten by its last)."""
+        limit = self.paged_prefill_max_context if window is None else min(self.paged_prefill_max_context, window)
+        return all(p.context_len <= limit for p in meta.prefills)
 
     def run_stack(self, model, x, kv_caches, meta, num_layers=None) -> bool:
         if not self.fused_decode or meta.prefills or meta.positions is None or self._stack == ():
@@ -170,6 +185,8 @@ class CpuBackend(TorchBackend):
         attn = "C decode attention, RoPE+KV write" if self.c_attention else "torch attention (int8 KV)"
         stack = (f"one-call decode stack at {_row_ranges(self._stack[1])} rows" if self.stack_rows
                  else "one-call decode stack " + ("checked at the first decode step" if self._stack is None else "off"))
+        if self.paged_prefill_max_context:
+            attn += f"; prefill chunks of up to {self.paged_prefill_max_context} tokens of context by the decode kernel"
         rows = self.cpu_paged.bf16_rows
         if rows is not None:
             attn += f"; prefill attention in bfloat16 from {rows} tokens"
@@ -345,7 +362,8 @@ def c_float16_pools(attention_backend: str, device: str, head_dim: int, tensor_p
 def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                            device: str, dtype: torch.dtype, kv_dtype: torch.dtype, fused_decode: bool = True,
                            fused_max_tokens: int = 16, fused_big_max_tokens: int = 0, scale: float | None = None,
-                           bf16_prefill_rows: int | None = None, bf16_prefill_auto: bool = False) -> AttentionBackend:
+                           bf16_prefill_rows: int | None = None, bf16_prefill_auto: bool = False,
+                           paged_prefill_max_context: int = 0) -> AttentionBackend:
     """The backend `name` ("auto" | "torch" | "cpu") for this model and machine; ValueError saying why
     when "cpu" is asked for where it cannot run."""
     if name not in ATTENTION_BACKENDS:
@@ -364,7 +382,8 @@ def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head
         c_attention = kv_dtype == torch.float32 or (kv_dtype == torch.float16 and kernels.f16_pools(head_dim) is None)
         backend = CpuBackend(**dims, c_attention=c_attention, fused_decode=fused_decode,
                              fused_max_tokens=fused_max_tokens, fused_big_max_tokens=fused_big_max_tokens,
-                             bf16_prefill_rows=bf16_prefill_rows, bf16_prefill_auto=bf16_prefill_auto)
+                             bf16_prefill_rows=bf16_prefill_rows, bf16_prefill_auto=bf16_prefill_auto,
+                             paged_prefill_max_context=paged_prefill_max_context)
     if scale is not None:           # Gemma 3: query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5
         for paged in (backend.paged, getattr(backend, "cpu_paged", None)):
             if paged is not None:
