@@ -1,5 +1,7 @@
 """The kernel seam: every registered linear kernel against the float reference, the measured table's
 choices, and greedy output with each attention backend and linear kernel forced."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -168,6 +170,44 @@ def test_the_table_is_measured_once_and_cached(tmp_path):
     before = again.measured_s
     select_kernels(model, max_rows=8, head_max_rows=8, table=again)
     assert again.measured_s == before                                # nothing measured again
+
+
+def test_a_shape_measured_while_other_processes_took_the_cpus_is_measured_again_keeping_the_minimum(tmp_path, monkeypatch):
+    from tokenfab.kernels import tuning
+    model = _int4_model(2)
+    key = model[0].shape_key()
+    path = str(tmp_path / "t.json")
+    shares = iter([0.9, 0.9, 0.0])             # two loads under load (a parallel compile), then a quiet one
+    monkeypatch.setattr(tuning, "_others_share", lambda before, after, wall: next(shares))
+    tbl = KernelTable({}, path)
+    select_kernels(model, max_rows=8, head_max_rows=8, table=tbl)
+    assert tbl.entries[key]["busy"] == 1
+    first = {k: list(v) for k, v in tbl.entries[key]["times"].items()}
+    tbl.save()
+    again = KernelTable.load(path)              # the flag survives the file
+    assert not again.has(key, [1, 4, 8], list(first))
+    timed = []
+    real = tuning._time_rotating
+    monkeypatch.setattr(tuning, "_time_rotating", lambda *a: (timed.append(1), real(*a))[1])
+    select_kernels(model, max_rows=8, head_max_rows=8, table=again)
+    assert timed and again.entries[key]["busy"] == 2           # every row measured again, still busy
+    for k, ts in again.entries[key]["times"].items():          # each time the minimum of the two
+        assert all(b is None or b <= a for a, b in zip(first[k], ts)), k
+    select_kernels(model, max_rows=8, head_max_rows=8, table=again)
+    assert again.entries[key]["busy"] == 0                     # quiet: settled, nothing measured after it
+    timed.clear()
+    select_kernels(model, max_rows=8, head_max_rows=8, table=again)
+    assert not timed
+    # a machine that is always busy stops paying after REMEASURE_LOADS more loads
+    again.entries[key]["busy"] = tuning.REMEASURE_LOADS + 1
+    assert again.has(key, [1, 4, 8], list(first))
+
+
+def test_the_busy_share_counts_other_processes_cpu_time_only():
+    from tokenfab.kernels.tuning import _others_share
+    assert _others_share((100.0, 10.0), (104.0, 12.0), 2.0) == pytest.approx(2.0 / (2.0 * (os.cpu_count() or 1)))
+    assert _others_share((100.0, 10.0), (102.0, 12.0), 2.0) == 0.0      # all of it was this process
+    assert _others_share(None, (1.0, 1.0), 1.0) is None
 
 
 # ------------------------------------------------------------------ greedy output with each choice forced

@@ -50,6 +50,11 @@ TABLE_VERSION = 2         # what save() writes; 2 added the row buckets 128-512 
 READABLE_VERSIONS = (1, 2)  # a version-1 table's measurements still hold: it is read, and the buckets it
                           # lacks are measured on the next load (a second or so) and saved as version 2
 CACHE_GENERATION = 1      # part of the cache file's name: bump when old measurements become wrong
+BUSY_SHARE = 0.25         # other processes took more than this share of the CPUs while a shape was measured:
+                          # its times are suspect (a parallel compile made a bf16 float copy look 10 % faster
+                          # than qbf16 and cost the one-call stack 17-64 rows, session 15), so the entry is
+                          # flagged and measured again at later loads, keeping each time's minimum
+REMEASURE_LOADS = 3       # ... at most this many times, so a machine that is always busy stops paying for it
 STACK_KERNELS = ("qgemm", "qdot", "qtile")   # kernels whose layouts the one-call decode stack runs (tf_qgemm's flags)
 STACK_BIG_KERNELS = ("qbf16", "qmadd")       # what the stack runs on those layouts from a linear's switch row on
 UNIFORM_KERNELS = ("qgemm", "qtile", "qmadd")   # precise kernels whose float sums differ in the last bits: a plan runs one
@@ -154,22 +159,33 @@ class KernelTable:
     def has(self, key: str, rows: list[int], kernels: list[str]) -> bool:
         e = self.entries.get(key)
         return (e is not None and all(r in e["rows"] for r in rows)
-                and all(k in e["times"] for k in kernels))
+                and all(k in e["times"] for k in kernels)
+                and not 0 < e.get("busy", 0) <= REMEASURE_LOADS)    # measured under load: again
 
-    def measure(self, layers: list[KernelLinear], rows: list[int], skip: set[str] = frozenset()) -> None:
+    def measure(self, layers: list[KernelLinear], rows: list[int], skip: set[str] = frozenset()) -> float | None:
         """Time every candidate kernel on these same-shaped layers' real weights at these row counts.
 
         Calls rotate over the layers (up to ROTATE of them), so the weights stream from memory as in a
         forward pass instead of sitting hot in the cache after the first call (a single hot weight made
-        4-byte float copies look as cheap as 0.5-byte int4 blocks)."""
+        4-byte float copies look as cheap as 0.5-byte int4 blocks). Returns the share of the CPUs other
+        processes used meanwhile (None where /proc/stat is missing); above BUSY_SHARE the entry is
+        flagged ("busy": how many such measurements) and measured again at later loads (`has`)."""
         t0 = time.perf_counter()
         threads = torch.get_num_threads()
         torch.set_num_threads(1)        # see MEASURE_THREADS
+        before = _cpu_seconds()
         try:
             self._measure(layers, rows, skip)
         finally:
             torch.set_num_threads(threads)
             self.measured_s += time.perf_counter() - t0
+        share = _others_share(before, _cpu_seconds(), time.perf_counter() - t0)
+        e = self.entries[layers[0].shape_key()]
+        if share is not None and share > BUSY_SHARE:
+            e["busy"] = e.get("busy", 0) + 1
+        elif e.get("busy"):
+            e["busy"] = 0                      # a quiet measurement: settled
+        return share
 
     def _measure(self, layers: list[KernelLinear], rows: list[int], skip: set[str] = frozenset()) -> None:
         layer = layers[0]
@@ -186,12 +202,15 @@ class KernelTable:
                 continue          # the float copy is dequant without the per-call expansion: dequant only
                                   # runs where copies don't fit, and there the rules' fallback is dequant
             old = dict(zip(entry["rows"], entry["times"].get(k.name, [])))
-            todo = [r for r in all_rows if old.get(r) is None and (k.tune_max_rows is None or r <= k.tune_max_rows)]
+            again = entry.get("busy", 0) > 0       # measured under load before: every row again, keep the minimum
+            todo = [r for r in all_rows if (again or old.get(r) is None)
+                    and (k.tune_max_rows is None or r <= k.tune_max_rows)]
             if todo:
                 states = [k.prepare(m) for m in group]
                 for r in todo:    # big row counts amortize the weight read: a few layers suffice
                     n = len(group) if r < 32 else min(len(group), 2)
-                    old[r] = _time_rotating(k, states[:n], group[:n], xs[r])
+                    t = _time_rotating(k, states[:n], group[:n], xs[r])
+                    old[r] = t if old.get(r) is None else min(old[r], t)
                 del states
             entry["times"][k.name] = [old.get(r) for r in all_rows]
         for name, ts in entry["times"].items():           # earlier rows of kernels not timed now
@@ -252,6 +271,26 @@ class KernelTable:
         else:
             ranges[-1] = (None, last)
         return ranges
+
+
+def _cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds every process has run, this process's), from /proc/stat; None where it is missing."""
+    try:
+        with open("/proc/stat") as f:
+            fields_ = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(fields_) - fields_[3] - (fields_[4] if len(fields_) > 4 else 0)     # less idle and iowait
+    t = os.times()
+    return busy / os.sysconf("SC_CLK_TCK"), t.user + t.system
+
+
+def _others_share(before, after, wall: float) -> float | None:
+    """The share of all CPUs that other processes used between two _cpu_seconds() readings."""
+    if before is None or after is None or wall <= 0:
+        return None
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, others) / (wall * (os.cpu_count() or 1))
 
 
 def _uniform(ranges: list[tuple[int | None, str]], e: dict, upto: int) -> None:
@@ -357,13 +396,19 @@ def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int,
     opt_out = set() if int8_activations else {k.name for k in registered() if getattr(k, "opt_in", False)}
     tbl = table if table is not None else (KernelTable.load() if autotune else None)
     if tbl is not None and autotune:
-        dirty = False
+        dirty, busy = False, []
         for key, ms in by_key.items():
             rows = row_buckets(rows_for[key], SMALL_ROWS if ms[0].weight_format == "float" else None)
             names = [k.name for k in candidates(ms[0]) if k.name not in opt_out]
             if len(names) > 1 and not tbl.has(key, rows, [n for n in names if n != "dequant" or "float" not in names]):
-                tbl.measure(ms, rows, opt_out)
+                share = tbl.measure(ms, rows, opt_out)
                 dirty = True
+                if tbl.entries[key].get("busy"):
+                    busy.append(f"{key} ({100 * share:.0f} %)")
+        if busy:
+            log.warning("kernel table: other processes used more than %d %% of the CPUs while %s were measured; "
+                        "those shapes are measured again at the next %d loads at most, keeping each time's "
+                        "minimum", 100 * BUSY_SHARE, ", ".join(busy), REMEASURE_LOADS)
         if dirty and table is None:
             tbl.save()
 

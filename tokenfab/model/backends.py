@@ -17,8 +17,8 @@
   kernel: every query token is a row reading its sequence's pools in place up to its own position
   (attention.token_rows), in float32. Longer chunks stay on torch's SDPA, in bfloat16 (AMX /
   AVX512-BF16) from the chunk size where the qkv projection already runs the lossy bf16 kernel
-  (`prefill_attention_dtype`, see bf16_prefill_rows). float32 on the CPU only; the KV pools float32 or float16 (kv_cache_dtype, read by
-  the layer path and the one-call stack alike); with the int8 KV cache attention falls back to the
+  (`prefill_attention_dtype`, see bf16_prefill_rows). float32 on the CPU only; the KV pools float32 or
+  float16 (kv_cache_dtype, read by the layer path and the one-call stack alike); with the int8 KV cache attention falls back to the
   torch path (the C norms stay).
 
 "auto" takes cpu where it can run (kernels built, CPU, float32), else torch. Every choice is made here,
@@ -26,6 +26,7 @@ once; the forward pass never asks again.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Protocol
 
 import torch
@@ -195,15 +196,9 @@ class CpuBackend(TorchBackend):
 
 def _row_ranges(rows) -> str:
     """{1, 2, 3, 5} -> "1-3, 5"."""
-    out, run = [], []
-    for r in sorted(rows):
-        if run and r == run[-1] + 1:
-            run.append(r)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [r]
-    if run:
+    out = []
+    for _, run in itertools.groupby(enumerate(sorted(rows)), lambda p: p[1] - p[0]):
+        run = [r for _, r in run]
         out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
     return ", ".join(out)
 
