@@ -28,6 +28,33 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t.isnan(), torch.tensor(0x7fc0, dtype=torch.int16), t.view(torch.int16))
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_argmax_rows_gives_torchs_indices_ties_nans_infinities_and_strided_rows(isa):
+    from tokenfab.engine.sampler import greedy_ids
+    if isa not in kernels.available_isas():
+        pytest.skip(f"this CPU lacks the {isa} instruction set (it runs {', '.join(kernels.available_isas())})")
+    kernels.set_isa(isa)
+    try:
+        g = torch.Generator().manual_seed(3)
+        for rows, n in ((1, 49152), (64, 49152), (7, 13), (3, 8), (5, 1), (2, 100003)):
+            x = torch.randn(rows, n, generator=g)
+            assert kernels.argmax_rows(x) == x.max(dim=-1).indices.tolist(), (rows, n)
+        x = torch.randn(7, 1000, generator=g)
+        x[0, 5] = x[0, 900] = 50.0                          # tied maxima: the first
+        x[1] = float("-inf")                                # nothing above -inf: index 0
+        x[2, 17] = x[2, 600] = float("nan")                 # NaN counts as the maximum: the first NaN
+        x[3, 999] = 100.0                                   # in the scalar tail
+        x[4] = 3.0                                          # all equal
+        x[5, 2] = x[5, 800] = float("inf")
+        x[6, 996] = float("nan")                            # a NaN in the tail only
+        assert kernels.argmax_rows(x) == x.max(dim=-1).indices.tolist() == torch.argmax(x, dim=-1).tolist()
+        wide = torch.randn(4, 49200, generator=g)
+        sliced = wide[:, :49152]                             # the sampler's logits[:, :vocab_size]: strided rows
+        assert greedy_ids(sliced) == kernels.argmax_rows(sliced) == sliced.max(dim=-1).indices.tolist()
+    finally:
+        kernels.set_isa(None)
+
+
 @pytest.mark.parametrize("rows, dim", [(512, 576), (3, 577), (1, 64)])
 def test_rms_norm_bf16_out_is_the_float32_result_rounded_as_torch_rounds(rows, dim):
     torch.manual_seed(rows)

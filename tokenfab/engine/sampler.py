@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenfab import kernels
 from tokenfab.engine.structured import apply_token_bitmask
 from tokenfab.sampling import SamplingParams
 
@@ -58,7 +59,12 @@ def plain_greedy(p: SamplingParams, num_output: int) -> bool:
 def greedy_ids(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (the first of tied maxima; NaN counts as the maximum), as torch.argmax.
     max(dim).indices gives the same indices 2.7x faster on the CPU: 1.4 ms against 3.9 ms for 64 rows of
-    the 49152-token vocabulary, one thread of the Sapphire Rapids VM (torch 2.13's argmax is not vectorized)."""
+    the 49152-token vocabulary, one thread of the Sapphire Rapids VM (torch 2.13's argmax is not vectorized).
+    float32 CPU logits go through tokenfab's C kernel where it is built (one pass, in parallel over rows):
+    in a 64-row decode step it took ~0.5 against 2.3 ms for max() on logits the LM head had just written."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 \
+            and logits.stride(-1) == 1 and kernels.enabled():
+        return kernels.argmax_rows(logits)
     return logits.max(dim=-1).indices.tolist()
 
 

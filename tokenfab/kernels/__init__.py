@@ -69,6 +69,7 @@ _SIGNATURES = {
     "tf_paged_decode_attention_f16": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
     "tf_rope_write_kv_f16": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
     "tf_silu_mul": [_P, _P, _I, _I],
+    "tf_argmax_rows": [_P, _P, _I, _I, _I],
     "tf_silu_mul_bf16": [_P, _P, _I, _I],
     "tf_gelu_tanh_mul": [_P, _P, _I, _I],
     "tf_qgemm": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
@@ -319,6 +320,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fn(out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
        block_tables.stride(0), context_lens.data_ptr(), B, num_heads, num_kv_heads, D, bs, scale, window or 0)
     return out
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """Each row's argmax of a float32 [M, N] tensor (rows of any stride, unit inner stride): the first of
+    tied maxima, the first NaN where a row has one, as torch's max(dim=-1).indices (tf_argmax_rows)."""
+    M, N = x.shape
+    out = torch.empty(M, dtype=torch.int64)
+    _lib.tf_argmax_rows(out.data_ptr(), x.data_ptr(), M, N, x.stride(0))
+    return out.tolist()
 
 
 def _glu(fn, gate_up: torch.Tensor) -> torch.Tensor:

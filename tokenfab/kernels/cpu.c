@@ -734,6 +734,55 @@ void tf_silu_mul_bf16(uint16_t *out, const uint16_t *gate_up, int64_t T, int64_t
     }
 }
 
+/* out[r] = the index of row r's maximum, the first of tied maxima, and the first NaN where the row has one:
+ * torch's max(dim=-1).indices (and argmax), for greedy sampling over the vocabulary. One pass per row: each
+ * lane keeps its largest value and that value's first index (an ordered greater-than never takes a NaN, so
+ * a lane's first NaN is noted apart and the scalar loop finds the row's first), then the lanes reduce to
+ * the largest value at the smallest index. Rows of `stride` floats; in parallel over rows. */
+static int64_t tf_argmax_row(const float *x, int64_t N) {
+    int64_t i = 0, best_i = 0;
+    float best = -INFINITY;
+    int nan = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (N >= 8) {
+        __m256 bv = _mm256_set1_ps(-INFINITY), unord = _mm256_setzero_ps();
+        __m256i bi = _mm256_setzero_si256(), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i eight = _mm256_set1_epi32(8);
+        for (; i + 8 <= N; i += 8) {
+            const __m256 v = _mm256_loadu_ps(x + i);
+            const __m256 gt = _mm256_cmp_ps(v, bv, _CMP_GT_OQ);
+            unord = _mm256_or_ps(unord, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            bv = _mm256_blendv_ps(bv, v, gt);
+            bi = _mm256_blendv_epi8(bi, idx, _mm256_castps_si256(gt));
+            idx = _mm256_add_epi32(idx, eight);
+        }
+        nan = _mm256_movemask_ps(unord) != 0;
+        float vals[8];
+        int32_t ids[8];
+        _mm256_storeu_ps(vals, bv);
+        _mm256_storeu_si256((__m256i *)ids, bi);
+        best_i = -1;
+        for (int l = 0; l < 8; l++)           /* a lane that never saw a value above -inf keeps index 0.. */
+            if (vals[l] > best || (vals[l] == best && ids[l] < best_i) || best_i < 0)
+                best = vals[l], best_i = ids[l];
+        if (best == -INFINITY) best_i = 0;    /* ..so an all -inf prefix answers 0, as torch does */
+    }
+#endif
+    for (; i < N; i++) {
+        if (x[i] != x[i]) { nan = 1; break; }
+        if (x[i] > best) best = x[i], best_i = i;
+    }
+    if (nan)
+        for (int64_t j = 0; j < N; j++)
+            if (x[j] != x[j]) return j;
+    return best_i;
+}
+
+void tf_argmax_rows(int64_t *out, const float *x, int64_t M, int64_t N, int64_t stride) {
+#pragma omp parallel for if (M * N >= (1 << 16))
+    for (int64_t r = 0; r < M; r++) out[r] = tf_argmax_row(x + r * stride, N);
+}
+
 /* out[t] = gelu_tanh(gate_up[t, :I]) * gate_up[t, I:], the GeGLU activation (Gemma) of a fused gate/up row.
  * gelu_tanh(g) = 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3), computed as g / (1 + e^(-2u))
  * (the same value: 1 + tanh(u) = 2 / (1 + e^(-2u))), so it shares tf_silu_mul's exp and has no
