@@ -1719,6 +1719,10 @@ static void tf_qmadd_expand(int16_t *buf, int64_t stride, const void *q, const f
     for (int64_t p = 0; p < np; p++) {
         int16_t *w = buf + p * stride;
         float *sc = (float *)(w + nb * 512), *mo = sc + nb * 16;
+        if (p + 1 < np)           /* the next unit's 16 weight rows, while this one expands (16 strided streams) */
+            for (int64_t o = 0; o < 16; o++)
+                for (int64_t l = 0; l < row_bytes; l += 64)
+                    __builtin_prefetch((const uint8_t *)q + (n0 + 16 * (p + 1) + o) * row_bytes + l, 0, 3);
         for (int64_t b = 0; b < nb; b++)
             for (int h = 0; h < 2; h++) {         /* outputs 8h .. 8h + 7 of these 16 */
                 __m256i lo[8], hi[8];
