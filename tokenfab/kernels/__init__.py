@@ -56,6 +56,7 @@ _lib = None
 _tried = False
 _isa: str | None = None             # the variant loaded
 _forced_isa: str | None = None      # set_isa()
+_qbf16_ready = False                # qbf16 asked for AMX bf16 once (the tile permission is per process)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -465,10 +466,13 @@ def qbf16(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
           out_features: int) -> torch.Tensor:
     """x [M, K] @ a qtile layout (`qtile_pack`) on AMX bf16 tiles (tf_qbf16), float32 [M, out]: the weights
     expanded to bf16 per tile of 16 outputs inside the kernel (as the bf16 float copy holds them), x
-    rounded to bf16 (as the bf16 kernel rounds it), float32 sums. Needs `amx_bf16_available()`: it is
-    asked here (answered once), which also has Linux grant the tile state before the first tile instruction."""
-    if not _lib.tf_amx_bf16_available():
-        raise RuntimeError("qbf16 needs AMX bf16 tiles, which this CPU or process does not have")
+    rounded to bf16 (as the bf16 kernel rounds it), float32 sums. Needs `amx_bf16_available()`: the first
+    call asks, which also has Linux grant the tile state (for the whole process) before any tile instruction."""
+    global _qbf16_ready
+    if not _qbf16_ready:
+        if not _lib.tf_amx_bf16_available():
+            raise RuntimeError("qbf16 needs AMX bf16 tiles, which this CPU or process does not have")
+        _qbf16_ready = True
     x = x.float().contiguous()
     M, K = x.shape
     y = torch.empty(M, out_features)
