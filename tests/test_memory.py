@@ -100,6 +100,7 @@ def test_info_engine_says_where_memory_goes_and_rss_after_load_is_within_twice_l
     assert 0 < mem["KV pool (reserved)"] <= 65536 * 46080 / 2**20 + 0.1
     if "process RSS after load" in mem:                # Linux with glibc
         assert mem["process RSS after load"] * 2**20 < 622e6
+        assert mem["process RSS peak during load"] >= mem["process RSS after load"]
 
 
 def test_memory_flags_map_onto_engine_config_fields():
@@ -113,3 +114,49 @@ def test_memory_flags_map_onto_engine_config_fields():
     assert (cfg.float_cache_memory, cfg.kv_cache_memory_fraction, cfg.kv_cache_memory_max,
             cfg.float_cache_memory_fraction) == (0, 0.1, 1 << 30, 0.5)
     assert engine_config_from_args(p.parse_args(["--float-cache-memory", "1GiB"])).float_cache_memory == 1 << 30
+
+
+def test_a_gguf_build_never_reads_float_copies_of_the_layers_it_runs_from_blocks(bundled_path):
+    """The loader reads GGUF tensors lazily, and the native layers go in before the float weights: the
+    bundled model's build dequantizes its norms and nothing else (its load peaked at 1.4 GiB when every
+    tensor became float32 up front)."""
+    from tokenfab.model.loader import load_model_files
+    from tokenfab.quant.load import build_model
+    files = load_model_files(bundled_path)
+    assert files.weights.reads == 0
+    model = build_model(files, torch.bfloat16, "cpu", 16, 64)
+    assert files.weights.reads == 2 * files.config.num_layers + 1        # two norms a layer, the final norm
+    assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+    assert "model.embed_tokens.weight" in files.weights and files.weights.reads == 61   # `in` reads nothing
+
+
+def test_native_layers_put_in_before_the_float_weights_equal_those_swapped_in_after(tmp_path, bundled_tokenizer):
+    """Qwen2's q/k/v biases come from the file when the layers are built on the meta device."""
+    import gguf
+
+    from tests.oracle import make_tiny_model
+    from tokenfab.model.llama import LlamaModel, full_logits
+    from tokenfab.model.loader import load_model_files
+    from tokenfab.quant.load import apply_quantization, build_model
+    from tokenfab.quant.linear import Q8_0Linear
+    make_tiny_model("qwen2", str(tmp_path), bundled_tokenizer)
+    files = load_model_files(str(tmp_path))
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for name, w in list(files.weights.items()):
+        if w.dim() == 2:
+            blocks = gguf.quants.quantize(w.numpy(), q8)
+            files.gguf_raw[name] = ("Q8_0", blocks)
+            files.weights[name] = torch.from_numpy(gguf.quants.dequantize(blocks, q8).copy())
+        else:     # bf16-exact, so that a bias cast to the compute dtype first (the old order) equals it
+            files.weights[name] = w.bfloat16().float()
+    new = build_model(files, torch.bfloat16, "cpu", 16, 64)
+    with torch.device("meta"):
+        old = LlamaModel(files.config, 16, max_positions=1)
+    old.make_ropes(64)
+    old.load_hf_weights(files.weights, torch.bfloat16)
+    apply_quantization(old, files, "auto")
+    old.set_attention_backend(old.default_backend())
+    qkv = new.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Q8_0Linear) and qkv.bias is not None and float(qkv.bias.abs().sum()) > 0
+    ids = bundled_tokenizer.encode("The capital of France is")
+    assert torch.equal(full_logits(new, ids), full_logits(old, ids))

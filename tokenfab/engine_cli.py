@@ -145,7 +145,8 @@ def _engine_info(files, args) -> dict:
         "kernel_table": r.table_path or "none (built-in rules)",
         "memory_mib": {"weights": round(m["weights"] / 2**20, 1), "float copies": round(m["float_copies"] / 2**20, 1),
                        "KV pool (reserved)": round(m["kv_pool"] / 2**20, 1), "total": round(m["total"] / 2**20, 1),
-                       **({"process RSS after load": round(m["rss_after_load"] / 2**20, 1)}
+                       **({"process RSS after load": round(m["rss_after_load"] / 2**20, 1),
+                           "process RSS peak during load": round(m["rss_peak_load"] / 2**20, 1)}
                           if m.get("rss_after_load") else {})},
         "float_copies": engine.float_budget_from,
         "kv_pool": f"{engine.block_manager.num_blocks * engine.config.block_size} tokens, sized from "

@@ -190,7 +190,9 @@ class LLMEngine:
         del files
         if config.device == "cpu" and release_freed_memory():   # the load's float tensors, freed: hand back
             self.memory["rss_after_load"] = process_rss() or 0
-            log.info("memory: process RSS after load %.0f MiB", self.memory["rss_after_load"] / 2**20)
+            self.memory["rss_peak_load"] = process_rss("VmHWM") or 0
+            log.info("memory: process RSS after load %.0f MiB (peak %.0f MiB)", self.memory["rss_after_load"] / 2**20,
+                     self.memory["rss_peak_load"] / 2**20)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, sliding)
         self.step_cost = OnlineStepModel()     # step times, fitted online: the step budget and SLO admission read it
         budget = (StepBudget(self.step_cost, config.step_time_budget_ms / 1e3 if config.step_time_budget_ms else None,

@@ -63,12 +63,12 @@ def release_freed_memory() -> bool:
     return True
 
 
-def process_rss() -> int | None:
-    """Resident bytes of this process (Linux /proc), else None."""
+def process_rss(field: str = "VmRSS") -> int | None:
+    """Resident bytes of this process (Linux /proc), else None; `field="VmHWM"`: its peak so far."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass

@@ -12,6 +12,8 @@ quantization code; tokenfab.quant.load builds quantized models on top of it.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -162,15 +164,16 @@ class LlamaModel(nn.Module):
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-        """Copy HF-named weights in, fusing q/k/v and gate/up. Missing or misshapen tensors are errors."""
+    def load_hf_weights(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+        """Copy HF-named weights in, fusing q/k/v and gate/up. Missing or misshapen tensors are errors.
+
+        Layers already replaced (quant/load.py swaps a GGUF file's native layers in first) are left
+        as they are, and their float weights are never read."""
         cfg = self.config
-        used: set[str] = set()
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"weight {name} is missing from the checkpoint")
-            used.add(name)
             return weights[name]
 
         def put(module: nn.Module, value: torch.Tensor, name: str, attr: str = "weight") -> None:
@@ -180,31 +183,38 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"weight {name} has shape {tuple(value.shape)}, expected {want}")
             setattr(module, attr, nn.Parameter(value.to(dtype).contiguous(), requires_grad=False))
 
+        def put_linear(owner: nn.Module, attr: str, sources: list[str], name: str) -> None:
+            module = getattr(owner, attr)
+            if type(module) is not nn.Linear:     # a quantized layer already in place
+                return
+            put(module, torch.cat([take(s + ".weight") for s in sources]), name)
+            if module.bias is not None:
+                put(module, torch.cat([take(s + ".bias") for s in sources]), name + " bias", "bias")
+
         def put_norm(module: nn.Module, name: str) -> None:
             w = take(name)
             if cfg.norm_offset:            # Gemma: x * (1 + w), computed in float32 as HF does
                 w = cfg.norm_offset + w.float()
             put(module, w, name)
 
-        put(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        if type(self.embed_tokens) is nn.Embedding:    # else served from the quantized head's rows
+            put(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         put_norm(self.norm, "model.norm.weight")
         if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head.weight = self.embed_tokens.weight
+            if type(self.lm_head) is nn.Linear:
+                self.lm_head.weight = self.embed_tokens.weight
         else:
-            put(self.lm_head, take("lm_head.weight"), "lm_head.weight")
+            put_linear(self, "lm_head", ["lm_head"], "lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = layer.self_attn
-            put(a.qkv_proj, torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), p + "qkv_proj")
-            if cfg.qkv_bias:
-                put(a.qkv_proj, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]), p + "qkv bias", "bias")
-            put(a.o_proj, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            put_linear(a, "qkv_proj", [p + f"self_attn.{n}_proj" for n in "qkv"], p + "qkv_proj")
+            put_linear(a, "o_proj", [p + "self_attn.o_proj"], p + "self_attn.o_proj.weight")
             if cfg.qk_norm:
                 put_norm(a.q_norm, p + "self_attn.q_norm.weight")
                 put_norm(a.k_norm, p + "self_attn.k_norm.weight")
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            put(layer.mlp.gate_up_proj, gate_up, p + "mlp.gate_up_proj")
-            put(layer.mlp.down_proj, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            put_linear(layer.mlp, "gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"], p + "mlp.gate_up_proj")
+            put_linear(layer.mlp, "down_proj", [p + "mlp.down_proj"], p + "mlp.down_proj.weight")
             put_norm(layer.input_layernorm, p + "input_layernorm.weight")
             put_norm(layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
             if layer.sandwich:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,11 +24,52 @@ class ModelLoadError(ValueError):
     """The model file or folder cannot be used; the message names it and says why."""
 
 
+class LazyWeights(MutableMapping):
+    """HF name -> float32 tensor, read from the file each time it is asked for and not kept.
+
+    A GGUF file's tensors are dequantized on access, so loading holds only the mapped file: a build
+    that runs the file's blocks natively never makes a float copy of the layers it replaces (the
+    bundled model's load peaked at 1.4 GiB when every tensor was dequantized up front). Tensors set
+    by assignment are held as given. `reads` counts the dequantizations, for tests."""
+
+    def __init__(self):
+        self._items: dict[str, torch.Tensor | Callable[[], torch.Tensor]] = {}
+        self.reads = 0
+
+    def defer(self, name: str, read: Callable[[], torch.Tensor]) -> None:
+        self._items[name] = read
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        v = self._items[name]
+        if isinstance(v, torch.Tensor):
+            return v
+        self.reads += 1
+        return v()
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self._items[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self._items[name]
+
+    def __contains__(self, name: object) -> bool:   # Mapping's would read the tensor
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:      # MutableMapping's would read every tensor on the way out
+        self._items.clear()
+
+
 @dataclass
 class LoadedModel:
     path: str
     config: ModelConfig
-    weights: dict[str, torch.Tensor]   # HF names, float32 tensors
+    weights: MutableMapping[str, torch.Tensor]   # HF names, float32 tensors (GGUF: LazyWeights)
     tokenizer: object
     file_dtypes: dict[str, int]        # tensor type name -> count, as stored in the file (for `info`)
     # GGUF block-quantized tensors as shipped (HF name -> (type name, raw uint8 [rows, bytes])), with
@@ -129,10 +171,11 @@ READABLE_GGUF_TYPES = ("F32", "F16", "BF16", "Q5_1") + _NATIVE_GGUF_TYPES
 
 
 def load_gguf_weights(reader, cfg: ModelConfig, path: str):
-    """-> (float weights, tensor type counts, raw blocks of the natively runnable quantized tensors)."""
+    """-> (float weights, read lazily: LazyWeights; tensor type counts; raw blocks of the natively
+    runnable quantized tensors)."""
     import gguf
 
-    weights: dict[str, torch.Tensor] = {}
+    weights = LazyWeights()
     types: dict[str, int] = {}
     raw: dict[str, tuple[str, np.ndarray]] = {}
     for t in reader.tensors:
@@ -145,25 +188,37 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
             raise ModelLoadError(f"{path}: tensor {t.name} has quantization type {qtype.name}, which tokenfab "
                                  f"does not read; supported: {', '.join(READABLE_GGUF_TYPES)}")
         types[qtype.name] = types.get(qtype.name, 0) + 1
-        try:
-            arr = gguf.quants.dequantize(t.data, qtype)
-        except Exception as e:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        if t.data.nbytes != int(t.n_elements) // block * block_bytes:   # read lazily: check the size now
             raise ModelLoadError(f"{path}: tensor {t.name} of type {qtype.name} cannot be read, the file is "
-                                 f"truncated or corrupt ({type(e).__name__}: {e})") from None
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
-        blocks = t.data if qtype.name in _NATIVE_GGUF_TYPES else None
+                                 f"truncated or corrupt ({t.data.nbytes} of its "
+                                 f"{int(t.n_elements) // block * block_bytes} bytes are there)")
         heads = _rope_permuted_heads(cfg, hf)
-        if heads:
-            w = _unpermute_rope_rows(w, heads)
-            if blocks is not None:   # rows are independent blocks: permute the raw rows the same way
+        weights.defer(hf, lambda t=t, hf=hf, heads=heads: _gguf_float(t, hf, heads, cfg, path))
+        if qtype.name in _NATIVE_GGUF_TYPES:
+            blocks = t.data
+            if heads:   # rows are independent blocks: permute the raw rows as the float rows are
                 blocks = _unpermute_rope_rows(torch.from_numpy(np.array(blocks)), heads).numpy()
-        if cfg.norm_offset and hf.endswith("norm.weight"):
-            w = w - cfg.norm_offset       # llama.cpp stores Gemma's (1 + w); HF's convention is w
-        weights[hf] = w
-        if blocks is not None:
             raw[hf] = (qtype.name, blocks)
     return weights, types, raw
+
+
+def _gguf_float(t, hf: str, heads: int, cfg: ModelConfig, path: str) -> torch.Tensor:
+    """One GGUF tensor as float32, in HF's row order and norm convention."""
+    import gguf
+
+    try:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: tensor {t.name} of type {t.tensor_type.name} cannot be read, the file is "
+                             f"truncated or corrupt ({type(e).__name__}: {e})") from None
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+    if heads:
+        w = _unpermute_rope_rows(w, heads)
+    if cfg.norm_offset and hf.endswith("norm.weight"):
+        w = w - cfg.norm_offset       # llama.cpp stores Gemma's (1 + w); HF's convention is w
+    return w
 
 
 def _rope_permuted_heads(cfg: ModelConfig, hf_name: str) -> int:

@@ -24,34 +24,51 @@ from tokenfab.model.llama import LlamaModel
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "w8a8", "int4", "int4-g32", "int4-g64", "int4-g128", "q4_k", "q6_k")
 
 
-def apply_quantization(model, loaded, quantization: str | None) -> None:
-    """Swap quantized layers into a built float model, in place."""
+def resolve_quantization(loaded, quantization: str | None) -> str:
+    """The scheme `quantization` means for these files ("auto": "gguf" for a GGUF file's blocks, else
+    "none"); ValueError for unknown names and for "gguf" without blocks to run."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if quantization == "auto":
-        quantization = "gguf" if loaded.gguf_raw else "none"
-    if quantization == "none":
-        return
+        return "gguf" if loaded.gguf_raw else "none"
+    if quantization == "gguf" and not loaded.gguf_raw:
+        raise ValueError(f"{loaded.path} has no Q4_0/Q4_1/Q5_0/Q8_0/Q2_K..Q6_K tensors to run natively; "
+                         "use int8 or int4 to quantize float weights")
+    return quantization
+
+
+def apply_quantization(model, loaded, quantization: str | None) -> None:
+    """Swap quantized layers into a built float model, in place."""
+    quantization = resolve_quantization(loaded, quantization)
     if quantization == "gguf":
-        if not loaded.gguf_raw:
-            raise ValueError(f"{loaded.path} has no Q4_0/Q4_1/Q5_0/Q8_0/Q2_K..Q6_K tensors to run natively; "
-                             "use int8 or int4 to quantize float weights")
         use_gguf_blocks(model, loaded.gguf_raw)
-        return
-    from tokenfab.quant.apply import quantize_model
-    quantize_model(model, "int4-g32" if quantization == "int4" else quantization)
+    elif quantization != "none":
+        from tokenfab.quant.apply import quantize_model
+        quantize_model(model, "int4-g32" if quantization == "int4" else quantization)
 
 
-def use_gguf_blocks(model, raw: dict[str, tuple[str, np.ndarray]]) -> int:
+def use_gguf_blocks(model, raw: dict[str, tuple[str, np.ndarray]], weights=None,
+                    dtype: torch.dtype | None = None) -> int:
     """Replace each decoder linear whose source tensors are all GGUF blocks of one type by the native
-    layer (fused q/k/v and gate/up concatenate their raw rows). Returns how many were replaced."""
+    layer (fused q/k/v and gate/up concatenate their raw rows). Returns how many were replaced.
+
+    On a model still on the meta device (build_model does this before loading the float weights, so
+    the replaced layers never get float copies), biases come from `weights` and a tied embedding
+    served from the head's blocks computes in `dtype`."""
     from tokenfab.quant.linear import gguf_linear
+
+    def bias_of(sources: list[str], linear):
+        if linear.bias is None:
+            return None
+        if not linear.bias.is_meta:
+            return linear.bias.data
+        return torch.cat([weights[s.removesuffix("weight") + "bias"] for s in sources])
 
     def native(sources: list[str], linear) -> bool:
         parts = [raw.get(s) for s in sources]
         if any(p is None for p in parts):
             return False
-        bias = None if linear.bias is None else linear.bias.data
+        bias = bias_of(sources, linear)
         if len({p[0] for p in parts}) == 1:      # one block type: the rows concatenate into one layer
             data = np.concatenate([p[1] for p in parts], axis=0)
             layer = gguf_linear(data, parts[0][0], linear.out_features, linear.in_features, bias)
@@ -81,7 +98,7 @@ def use_gguf_blocks(model, raw: dict[str, tuple[str, np.ndarray]]) -> int:
     if head_src == "model.embed_tokens.weight" and hasattr(model.lm_head, "embedding"):
         # tied: the head's blocks are the embedding's, so lookups read them; the float copy goes
         from tokenfab.model.layers import HeadRowsEmbedding
-        model.embed_tokens = HeadRowsEmbedding(model.lm_head, model.embed_tokens.weight.dtype)
+        model.embed_tokens = HeadRowsEmbedding(model.lm_head, dtype or model.embed_tokens.weight.dtype)
     return replaced
 
 
@@ -138,6 +155,9 @@ def build_model(loaded, dtype: torch.dtype, device: str, block_size: int, max_po
             model.lm_head.weight = model.embed_tokens.weight
         apply_checkpoint(model, loaded.path)
         _cast_float_parameters(model, dtype)
+    elif resolve_quantization(loaded, quantization) == "gguf":
+        use_gguf_blocks(model, loaded.gguf_raw, loaded.weights, dtype)   # first: no float copies of these
+        model.load_hf_weights(loaded.weights, dtype)
     else:
         model.load_hf_weights(loaded.weights, dtype)
         apply_quantization(model, loaded, quantization)
