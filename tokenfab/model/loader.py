@@ -110,11 +110,28 @@ def _unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def open_gguf(path: str):
+def _gguf_reader_class():
     import gguf
 
+    class Reader(gguf.GGUFReader):
+        """`gguf.GGUFReader` slicing a plain ndarray view of the mapped file instead of the `np.memmap`:
+        numpy runs Python code for each view of a memmap, and the metadata parse makes ~1M of them for a
+        49k-token vocabulary (the bundled file's parse: 2.0 -> 0.8 s). The file stays mapped, not read."""
+
+        @property
+        def data(self):
+            return self._mapped
+
+        @data.setter
+        def data(self, value):
+            self._mapped = np.asarray(value)
+
+    return Reader
+
+
+def open_gguf(path: str):
     try:
-        return gguf.GGUFReader(path)
+        return _gguf_reader_class()(path)
     except Exception as e:  # gguf raises ValueError/IndexError/struct errors on damaged files
         raise ModelLoadError(f"{path}: not a readable GGUF file, truncated or corrupt "
                              f"({type(e).__name__}: {e})") from None

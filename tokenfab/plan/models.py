@@ -196,8 +196,8 @@ def from_gguf(path: str) -> ModelSpec:
 @functools.lru_cache(maxsize=8)
 def _from_gguf(path: str, mtime: float) -> ModelSpec:
     # GGUFReader parses every field, tokenizer arrays included (seconds for a 49k vocabulary): once per file.
-    from gguf import GGUFReader
-    return spec_from_gguf_reader(GGUFReader(path), path)
+    from tokenfab.model.loader import open_gguf
+    return spec_from_gguf_reader(open_gguf(path), path)
 
 
 def spec_from_gguf_reader(r, path: str) -> ModelSpec:
