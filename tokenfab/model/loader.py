@@ -1,8 +1,9 @@
 """Load a model: a GGUF file or an HF folder (config.json + *.safetensors + tokenizer.json).
 
 Returns a `ModelConfig`, float weights keyed by HF names (`model.layers.0.self_attn.q_proj.weight` ...)
-and the tokenizer. Quantized GGUF tensors (Q4_0/Q4_1/Q8_0/...) are dequantized here; running them
-natively is tokenfab.quant's job. Every failure is one line naming the file and the problem.
+and the tokenizer. Quantized GGUF tensors (Q4_0/Q4_1/Q8_0/...) are dequantized when a weight is read
+(`LazyWeights`), so a build that runs them natively (tokenfab.quant) never makes their float copies.
+Every failure is one line naming the file and the problem.
 """
 from __future__ import annotations
 
