@@ -137,7 +137,7 @@ def test_native_layers_put_in_before_the_float_weights_equal_those_swapped_in_af
     from tests.oracle import make_tiny_model
     from tokenfab.model.llama import LlamaModel, full_logits
     from tokenfab.model.loader import load_model_files
-    from tokenfab.quant.load import apply_quantization, build_model
+    from tokenfab.quant.load import build_model, use_gguf_blocks
     from tokenfab.quant.linear import Q8_0Linear
     make_tiny_model("qwen2", str(tmp_path), bundled_tokenizer)
     files = load_model_files(str(tmp_path))
@@ -154,7 +154,7 @@ def test_native_layers_put_in_before_the_float_weights_equal_those_swapped_in_af
         old = LlamaModel(files.config, 16, max_positions=1)
     old.make_ropes(64)
     old.load_hf_weights(files.weights, torch.bfloat16)
-    apply_quantization(old, files, "auto")
+    use_gguf_blocks(old, files.gguf_raw)             # the old order: float layers first, then swapped
     old.set_attention_backend(old.default_backend())
     qkv = new.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, Q8_0Linear) and qkv.bias is not None and float(qkv.bias.abs().sum()) > 0

@@ -37,16 +37,6 @@ def resolve_quantization(loaded, quantization: str | None) -> str:
     return quantization
 
 
-def apply_quantization(model, loaded, quantization: str | None) -> None:
-    """Swap quantized layers into a built float model, in place."""
-    quantization = resolve_quantization(loaded, quantization)
-    if quantization == "gguf":
-        use_gguf_blocks(model, loaded.gguf_raw)
-    elif quantization != "none":
-        from tokenfab.quant.apply import quantize_model
-        quantize_model(model, "int4-g32" if quantization == "int4" else quantization)
-
-
 def use_gguf_blocks(model, raw: dict[str, tuple[str, np.ndarray]], weights=None,
                     dtype: torch.dtype | None = None) -> int:
     """Replace each decoder linear whose source tensors are all GGUF blocks of one type by the native
@@ -136,8 +126,8 @@ def mixed_gguf_linear(parts: list[tuple[str, np.ndarray]], in_features: int, bia
 
 def build_model(loaded, dtype: torch.dtype, device: str, block_size: int, max_positions: int,
                 quantization: str = "auto", tp: tuple[int, int] | None = None) -> LlamaModel:
-    """Build on the meta device (no wasted random init), move the real weights in, then swap in
-    quantized layers as asked (apply_quantization).
+    """Build on the meta device (no wasted random init), put a GGUF file's native layers in, move the
+    float weights in, then quantize the float linears as asked (`quantization`, module docstring).
 
     `tp` = (rank, size): build only that tensor-parallel rank's shard (tokenfab/distributed/shard.py)."""
     from tokenfab.quant.checkpoint import apply_checkpoint, is_quantized_checkpoint
@@ -155,12 +145,14 @@ def build_model(loaded, dtype: torch.dtype, device: str, block_size: int, max_po
             model.lm_head.weight = model.embed_tokens.weight
         apply_checkpoint(model, loaded.path)
         _cast_float_parameters(model, dtype)
-    elif resolve_quantization(loaded, quantization) == "gguf":
-        use_gguf_blocks(model, loaded.gguf_raw, loaded.weights, dtype)   # first: no float copies of these
-        model.load_hf_weights(loaded.weights, dtype)
     else:
+        scheme = resolve_quantization(loaded, quantization)
+        if scheme == "gguf":       # before the float weights: the layers it replaces never get float copies
+            use_gguf_blocks(model, loaded.gguf_raw, loaded.weights, dtype)
         model.load_hf_weights(loaded.weights, dtype)
-        apply_quantization(model, loaded, quantization)
+        if scheme not in ("none", "gguf"):
+            from tokenfab.quant.apply import quantize_model
+            quantize_model(model, "int4-g32" if scheme == "int4" else scheme)
     model = model.to(device)
     model.set_attention_backend(model.default_backend())
     return model
