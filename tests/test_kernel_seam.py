@@ -208,6 +208,7 @@ def test_the_busy_share_counts_other_processes_cpu_time_only():
     assert _others_share((100.0, 10.0), (104.0, 12.0), 2.0) == pytest.approx(2.0 / (2.0 * (os.cpu_count() or 1)))
     assert _others_share((100.0, 10.0), (102.0, 12.0), 2.0) == 0.0      # all of it was this process
     assert _others_share(None, (1.0, 1.0), 1.0) is None
+    assert _others_share((100.0, 10.0), (100.01, 10.0), 0.005) is None   # one tick in 5 ms: too short to tell
 
 
 # ------------------------------------------------------------------ greedy output with each choice forced

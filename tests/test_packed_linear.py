@@ -44,6 +44,31 @@ def test_pack_linears_swaps_float_linears_and_keeps_a_tied_weight_readable():
     torch.testing.assert_close(m.head(x), ref_head)
 
 
+def test_select_kernels_drops_each_float_weight_as_its_oneDNN_plan_goes_in():
+    """A float model's load holds one form of each weight at a time: when a layer's plan is installed,
+    every layer planned before it has already given up its plain weight (tied ones keep theirs)."""
+    from tokenfab.kernels.tuning import select_kernels
+    from tokenfab.model.layers import float_weight_releaser
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)], nn.Embedding(10, 64), nn.Linear(64, 10, bias=False))
+    m[5].weight = m[4].weight
+    x = torch.randn(3, 64)
+    refs = [m[i](x) for i in range(4)]
+    pack_linears(m)
+    release, planned, held = float_weight_releaser(m), [], []
+
+    def after(layer):
+        held.append(sum(p.weight is not None for p in planned if p is not m[5]))
+        planned.append(layer)
+        release(layer)
+
+    select_kernels(m, max_rows=8, head_max_rows=8, autotune=False, head=m[5], after_plan=after)
+    assert len(planned) == 5 and held == [0, 0, 0, 0, 0]
+    assert m[5].weight is m[4].weight and all(m[i].weight is None for i in range(4))
+    for i in range(4):
+        torch.testing.assert_close(m[i](x), refs[i])
+
+
 @pytest.mark.parametrize("make", [lambda w: Int8Linear.from_float(w), lambda w: Int4Linear.from_float(w, None, 32)],
                          ids=["int8", "int4"])
 def test_float_copy_kernel_serves_any_batch_with_the_dequantized_weight(make):

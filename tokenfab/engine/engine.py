@@ -28,7 +28,7 @@ from tokenfab.engine.threads import ThreadController, free_cores
 from tokenfab.kernels.tuning import select_kernels
 from tokenfab.model.attention import kv_bytes_per_token, kv_cache_torch_dtype
 from tokenfab.model.backends import bf16_prefill_rows, c_float16_pools
-from tokenfab.model.layers import pack_linears, release_float_weights
+from tokenfab.model.layers import float_weight_releaser, pack_linears
 from tokenfab.model.loader import LoadedModel, load_model_files
 from tokenfab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenfab.quant.kernels import KERNEL_ALIASES
@@ -251,8 +251,7 @@ class LLMEngine:
             force=KERNEL_ALIASES.get(config.linear_kernel, config.linear_kernel), float_copy_budget=float_budget,
             stack_rows=config.fused_decode_max_tokens if config.enable_fused_decode else 0,
             big_stack_rows=config.fused_decode_big_max_tokens if config.enable_fused_decode else 0,
-            int8_activations=config.int8_activations)
-        release_float_weights(model)
+            int8_activations=config.int8_activations, after_plan=float_weight_releaser(model))
         model.set_attention_backend(model.default_backend(
             config.attention_backend, kv_dtype, fused_decode=config.enable_fused_decode,
             fused_max_tokens=config.fused_decode_max_tokens, fused_big_max_tokens=config.fused_decode_big_max_tokens,

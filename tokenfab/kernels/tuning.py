@@ -54,6 +54,7 @@ BUSY_SHARE = 0.25         # other processes took more than this share of the CPU
                           # its times are suspect (a parallel compile made a bf16 float copy look 10 % faster
                           # than qbf16 and cost the one-call stack 17-64 rows, session 15), so the entry is
                           # flagged and measured again at later loads, keeping each time's minimum
+BUSY_MIN_WALL_S = 0.1     # ... judged only over at least this long (a tick is 10 ms; the bundled model's shapes take 0.2-2.2 s)
 REMEASURE_LOADS = 3       # ... at most this many times, so a machine that is always busy stops paying for it
 STACK_KERNELS = ("qgemm", "qdot", "qtile")   # kernels whose layouts the one-call decode stack runs (tf_qgemm's flags)
 STACK_BIG_KERNELS = ("qbf16", "qmadd")       # what the stack runs on those layouts from a linear's switch row on
@@ -286,8 +287,10 @@ def _cpu_seconds() -> tuple[float, float] | None:
 
 
 def _others_share(before, after, wall: float) -> float | None:
-    """The share of all CPUs that other processes used between two _cpu_seconds() readings."""
-    if before is None or after is None or wall <= 0:
+    """The share of all CPUs that other processes used between two _cpu_seconds() readings; None where it
+    cannot be told, including windows under BUSY_MIN_WALL_S (both readings count clock ticks, 10 ms
+    each: one tick in a tiny test shape's 5 ms window read as 100 %)."""
+    if before is None or after is None or wall < BUSY_MIN_WALL_S:
         return None
     others = (after[0] - before[0]) - (after[1] - before[1])
     return max(0.0, others) / (wall * (os.cpu_count() or 1))
@@ -369,7 +372,8 @@ class KernelReport:
 def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int, autotune: bool = True,
                    force: str = "auto", float_copy_budget: int = 0, table: KernelTable | None = None,
                    head: torch.nn.Module | None = None, dtype: torch.dtype | None = None,
-                   stack_rows: int = 0, big_stack_rows: int = 0, int8_activations: bool = False) -> KernelReport:
+                   stack_rows: int = 0, big_stack_rows: int = 0, int8_activations: bool = False,
+                   after_plan=None) -> KernelReport:
     """Install a LinearPlan in every KernelLinear of `model`, once.
 
     max_rows: the most rows a decoder linear sees in a step (the token budget); head_max_rows: the
@@ -378,7 +382,8 @@ def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int,
     decode steps up to this many rows may take a one-call decode stack that needs qgemm (STACK_MARGIN);
     big_stack_rows: bigger ones up to this many may take it where the plans keep their layout.
     int8_activations: opt-in kernels (`opt_in`, qdot) are measured and chosen too; otherwise they run
-    only when forced."""
+    only when forced. after_plan: called with each layer once its plan is in (the engine drops float
+    weights that the plan holds its own copy of, layer by layer: `float_weight_releaser`)."""
     layers = plan_linears(model)
     if dtype is not None:
         for m in layers:
@@ -423,11 +428,13 @@ def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int,
         chosen[key] = r if r is not None else default_rules(ms[0], allow_float_copy=float_copy_budget > 0)
 
     _fit_float_copies(chosen, by_key, tbl, float_copy_budget, stack_rows, rows_for, opt_out, big_for)
+    weight_bytes = sum(b.numel() * b.element_size() for m in layers for b in list(m.buffers()) + list(m.parameters()))
     for key, ms in by_key.items():
         for m in ms:
             m.plan = build_plan(m, chosen[key])
+            if after_plan is not None:
+                after_plan(m)
     float_bytes = sum(m.plan.float_copy_bytes() for m in layers)
-    weight_bytes = sum(b.numel() * b.element_size() for m in layers for b in list(m.buffers()) + list(m.parameters()))
     return KernelReport({k: build_describe(v) for k, v in chosen.items()}, {k: len(v) for k, v in by_key.items()},
                         float_bytes, weight_bytes, tbl.measured_s if tbl is not None else 0.0,
                         tbl.path if tbl is not None else None, None if force == "auto" else force)
