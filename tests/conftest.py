@@ -43,3 +43,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def isa(request):
+    """The C library's build for one instruction set, loaded for the test and unloaded after it; a skip
+    naming what this CPU runs where it lacks the set. Parametrize indirectly:
+    `@pytest.mark.parametrize("isa", ["avx2", "avx512"], indirect=True)`."""
+    from tokenfab import kernels
+    name = request.param
+    if name not in kernels.available_isas():
+        pytest.skip(f"this CPU lacks the {name} instruction set (it runs {', '.join(kernels.available_isas())})")
+    kernels.set_isa(name)
+    try:
+        yield name
+    finally:
+        kernels.set_isa(None)

@@ -28,31 +28,25 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t.isnan(), torch.tensor(0x7fc0, dtype=torch.int16), t.view(torch.int16))
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512"], indirect=True)
 def test_argmax_rows_gives_torchs_indices_ties_nans_infinities_and_strided_rows(isa):
     from tokenfab.engine.sampler import greedy_ids
-    if isa not in kernels.available_isas():
-        pytest.skip(f"this CPU lacks the {isa} instruction set (it runs {', '.join(kernels.available_isas())})")
-    kernels.set_isa(isa)
-    try:
-        g = torch.Generator().manual_seed(3)
-        for rows, n in ((1, 49152), (64, 49152), (7, 13), (3, 8), (5, 1), (2, 100003)):
-            x = torch.randn(rows, n, generator=g)
-            assert kernels.argmax_rows(x) == x.max(dim=-1).indices.tolist(), (rows, n)
-        x = torch.randn(7, 1000, generator=g)
-        x[0, 5] = x[0, 900] = 50.0                          # tied maxima: the first
-        x[1] = float("-inf")                                # nothing above -inf: index 0
-        x[2, 17] = x[2, 600] = float("nan")                 # NaN counts as the maximum: the first NaN
-        x[3, 999] = 100.0                                   # in the scalar tail
-        x[4] = 3.0                                          # all equal
-        x[5, 2] = x[5, 800] = float("inf")
-        x[6, 996] = float("nan")                            # a NaN in the tail only
-        assert kernels.argmax_rows(x) == x.max(dim=-1).indices.tolist() == torch.argmax(x, dim=-1).tolist()
-        wide = torch.randn(4, 49200, generator=g)
-        sliced = wide[:, :49152]                             # the sampler's logits[:, :vocab_size]: strided rows
-        assert greedy_ids(sliced) == kernels.argmax_rows(sliced) == sliced.max(dim=-1).indices.tolist()
-    finally:
-        kernels.set_isa(None)
+    g = torch.Generator().manual_seed(3)
+    for rows, n in ((1, 49152), (64, 49152), (7, 13), (3, 8), (5, 1), (2, 100003)):
+        x = torch.randn(rows, n, generator=g)
+        assert kernels.argmax_rows(x) == x.max(dim=-1).indices.tolist(), (rows, n)
+    x = torch.randn(7, 1000, generator=g)
+    x[0, 5] = x[0, 900] = 50.0                          # tied maxima: the first
+    x[1] = float("-inf")                                # nothing above -inf: index 0
+    x[2, 17] = x[2, 600] = float("nan")                 # NaN counts as the maximum: the first NaN
+    x[3, 999] = 100.0                                   # in the scalar tail
+    x[4] = 3.0                                          # all equal
+    x[5, 2] = x[5, 800] = float("inf")
+    x[6, 996] = float("nan")                            # a NaN in the tail only
+    assert kernels.argmax_rows(x) == x.max(dim=-1).indices.tolist() == torch.argmax(x, dim=-1).tolist()
+    wide = torch.randn(4, 49200, generator=g)
+    sliced = wide[:, :49152]                             # the sampler's logits[:, :vocab_size]: strided rows
+    assert greedy_ids(sliced) == kernels.argmax_rows(sliced) == sliced.max(dim=-1).indices.tolist()
 
 
 @pytest.mark.parametrize("rows, dim", [(512, 576), (3, 577), (1, 64)])
@@ -141,16 +135,10 @@ def test_decode_attention_reads_the_paged_pools_like_gather_then_sdpa(H, KVH):
 
 @pytest.mark.parametrize("B,H,KVH,D,window", [(16, 9, 3, 64, 0), (24, 8, 1, 128, 0), (16, 9, 3, 64, 20),
                                                (3, 12, 2, 64, 33), (5, 4, 4, 32, 0)])
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512"], indirect=True)   # P V per head, or 4 heads at once
 def test_paged_decode_attention_equals_the_first_kernel_for_many_sequences_windows_and_head_groups(
         B, H, KVH, D, window, isa):
-    if isa not in kernels.available_isas():
-        pytest.skip(f"this CPU lacks the {isa} instruction set (it runs {', '.join(kernels.available_isas())})")
-    kernels.set_isa(isa)        # the AVX2 and AVX-512 builds take different paths (P V per head or 4 at once)
-    try:
-        _check_paged_decode_attention(B, H, KVH, D, window)
-    finally:
-        kernels.set_isa(None)
+    _check_paged_decode_attention(B, H, KVH, D, window)
 
 
 def _check_paged_decode_attention(B, H, KVH, D, window):
@@ -495,15 +483,9 @@ def test_async_engine_releases_the_loader_threads_pool_before_stepping(monkeypat
     assert calls == [1]
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512"], indirect=True)
 def test_float16_pools_store_rounded_kv_and_attend_like_float32_pools_holding_the_same_values(isa):
-    if isa not in kernels.available_isas():
-        pytest.skip(f"this CPU lacks the {isa} instruction set (it runs {', '.join(kernels.available_isas())})")
-    kernels.set_isa(isa)
-    try:
-        _check_float16_pools()
-    finally:
-        kernels.set_isa(None)
+    _check_float16_pools()
 
 
 def _check_float16_pools():

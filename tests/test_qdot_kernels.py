@@ -37,17 +37,6 @@ def _layers():
     }
 
 
-@pytest.fixture(params=ISAS)
-def isa(request):
-    """Each ISA variant of the C library this CPU can run, loaded in turn; the rest skip with the reason."""
-    name = request.param
-    if name not in kernels.available_isas():
-        pytest.skip(f"this CPU lacks the {name} instruction set (it runs {', '.join(kernels.available_isas())})")
-    kernels.set_isa(name)
-    yield name
-    kernels.set_isa(None)
-
-
 def _rounded(x: torch.Tensor) -> torch.Tensor:
     """x as tf_qdot sees it: int8 per block of 32, scale max|x| / 127, back to float."""
     xb = x.reshape(x.shape[0], -1, 32)
@@ -58,6 +47,7 @@ def _rounded(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(xb * inv) * (amax / 127.0)).reshape(x.shape)
 
 
+@pytest.mark.parametrize("isa", ISAS, indirect=True)   # each build this CPU runs; the rest skip
 def test_each_isa_variant_is_built_for_the_instruction_set_it_names(isa):
     assert kernels.isa() == isa
     assert EXPECTED_FEATURE[isa] in kernels.compiled_features()
@@ -65,6 +55,7 @@ def test_each_isa_variant_is_built_for_the_instruction_set_it_names(isa):
         assert not {"avx512", "avx512_vnni", "avx_vnni"} & set(kernels.compiled_features())
 
 
+@pytest.mark.parametrize("isa", ISAS, indirect=True)   # each build this CPU runs; the rest skip
 @pytest.mark.parametrize("name", list(_layers()))
 def test_qdot_equals_the_weights_times_the_rounded_activations_at_every_row_count(isa, name):
     layer = _layers()[name]
@@ -82,6 +73,7 @@ def test_qdot_equals_the_weights_times_the_rounded_activations_at_every_row_coun
         assert float((y - ref).norm() / ref.norm()) < 1.5e-2, (isa, name, rows)
 
 
+@pytest.mark.parametrize("isa", ISAS, indirect=True)   # each build this CPU runs; the rest skip
 def test_a_row_gives_the_same_result_alone_and_in_any_batch(isa):
     layer = _layers()["int4-g32"]
     layer.plan = seam.forced_plan(layer, "qdot")
@@ -91,6 +83,7 @@ def test_a_row_gives_the_same_result_alone_and_in_any_batch(isa):
         assert torch.equal(layer(x[r:r + 1]), together[r:r + 1])
 
 
+@pytest.mark.parametrize("isa", ISAS, indirect=True)   # each build this CPU runs; the rest skip
 def test_vnni_builds_emit_vpdpbusd_and_the_avx2_build_does_not(isa):
     lib = _loaded_library_path()
     if lib is None or not _objdump():

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tokenfab import kernels
 from tokenfab.kernels import linear as seam
 from tokenfab.kernels.tuning import KernelTable, select_kernels
-from tests.test_qdot_kernels import _layers as qdot_layers, isa  # noqa: F401 (isa: a fixture)
+from tests.test_qdot_kernels import ISAS, _layers as qdot_layers
 from tokenfab.quant.linear import Int4Linear, Int8Linear, Q4_1Linear, Q8_0Linear
 
 ROWS = (1, 2, 3, 5, 8, 9, 12, 16, 17, 29, 40, 64)   # above 16: groups of 16, the last of 1, 13 (padded to 16) or 8
@@ -98,6 +98,7 @@ def test_amx_tiles_give_the_plain_c_references_bits(name):
         assert torch.equal(tiles, plain), (name, rows)
 
 
+@pytest.mark.parametrize("isa", ISAS, indirect=True)   # each build this CPU runs; the rest skip
 def test_every_isa_variant_gives_the_references_bits(isa):
     """Each C build this CPU runs (avx2: the reference loop; avx512: AMX alone; avx512_vnni: AMX and VNNI)
     computes qtile's bits; only the avx512_vnni build offers the VNNI path."""
