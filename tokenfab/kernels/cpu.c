@@ -2390,7 +2390,7 @@ tf_qtile_tile(const int M, float *y, int64_t N, const int8_t *a, const float *dx
  * their quantized bytes, and no float copy is kept. Activations are rounded to bf16 as the bf16 kernel
  * rounds them (x: bf16 [rows rounded up to 16, K], the padding rows zero). */
 int64_t tf_amx_bf16_available(void) {
-    static int state = -1;      /* asked once: cpuid traps to the hypervisor in a VM, and qbf16's wrapper asks per call */
+    static int state = -1;      /* asked once: cpuid traps to the hypervisor in a VM */
     if (state < 0) {
         unsigned a, b, c, dd, a1, b1, c1, d1;
         __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(dd) : "a"(7), "c"(0));

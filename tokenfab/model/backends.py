@@ -120,8 +120,7 @@ class CpuBackend(TorchBackend):
         self.fused_max_tokens = fused_max_tokens
         self.fused_big_max_tokens = fused_big_max_tokens
         self.paged_prefill_max_context = paged_prefill_max_context if self.c_attention else 0
-        self._stack: tuple | None = None    # (KV pools' address, rows, ctypes layers, kept tensors) or ()
-        self.stack_rows = 0                 # the most rows a decode step may have and take the one-call stack
+        self._stack: tuple | None = None    # (KV pools' address, row counts, ctypes layers, kept tensors) or ()
 
     def install(self, model) -> None:
         _set_c_ops(model, True)
@@ -164,7 +163,6 @@ class CpuBackend(TorchBackend):
         key = kv_caches[0][0].data_ptr()
         if self._stack is None or self._stack[0] != key:
             self._stack = _build_stack(model, kv_caches, self.fused_max_tokens, self.fused_big_max_tokens) or ()
-            self.stack_rows = max(self._stack[1]) if self._stack else 0
             if not self._stack:
                 return False
         if x.shape[0] not in self._stack[1]:
@@ -181,6 +179,11 @@ class CpuBackend(TorchBackend):
                               cfg.intermediate_size, model.norm.eps, cfg.hidden_act, views, paged.block_size,
                               paged.scale)
         return True
+
+    @property
+    def stack_rows(self) -> int:
+        """The most rows a decode step may have and take the one-call stack (0: none, or not built yet)."""
+        return max(self._stack[1]) if self._stack else 0
 
     def describe(self) -> str:
         attn = "C decode attention, RoPE+KV write" if self.c_attention else "torch attention (int8 KV)"
