@@ -829,10 +829,29 @@ void tf_gelu_tanh_mul(float *out, const float *gate_up, int64_t T, int64_t I) {
 static void tf_quantize_blocks(const float *x, int64_t n, int16_t *xq, float *dx) {
     for (int64_t b = 0; b < n / 32; b++) {
         const float *xb = x + b * 32;
+#if defined(__AVX2__) && defined(__FMA__)
+        /* the same arithmetic 8 lanes at a time: the scalar loop called libm's fmaxf per element, and
+         * it runs serially before every tf_qgemm call (~100k activations a decode token) */
+        const __m256 nosign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 mx = _mm256_setzero_ps();         /* max(a, mx) keeps mx where a is NaN, as fmaxf */
+        for (int j = 0; j < 32; j += 8) mx = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xb + j), nosign), mx);
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float d = amax / 32767.f, id = amax > 0.f ? 32767.f / amax : 0.f;
+        const __m256 vid = _mm256_set1_ps(id);
+        for (int j = 0; j < 32; j += 16) {       /* round to nearest even, as lrintf */
+            const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j), vid));
+            const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j + 8), vid));
+            _mm256_storeu_si256((__m256i *)(xq + b * 32 + j),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+        }
+#else
         float amax = 0.f;
         for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
         const float d = amax / 32767.f, id = amax > 0.f ? 32767.f / amax : 0.f;
         for (int j = 0; j < 32; j++) xq[b * 32 + j] = (int16_t)lrintf(xb[j] * id);
+#endif
         dx[b] = d;
     }
 }
@@ -946,6 +965,88 @@ static inline __attribute__((always_inline)) void tf_qgemm_row512(const int M, f
     for (int r = 0; r < M; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
 }
 #endif
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(TF_QGEMM512)
+#define TF_QGEMM4 1
+/* tf_qgemm's int4 rows on AVX2 without AVX-512, two blocks per step. tf_qgemm_row widens each block's
+ * nibbles with two vpmovzxbw (shuffles) and broadcasts a scale per block and row, ~14 instructions per
+ * block: a 1-row decode step of the bundled model was compute-bound on the AMD EPYC (the linears took
+ * 7.6 ms a token with the weights in cache, 8.4 ms streamed). Here one 32-byte load holds blocks b and
+ * b + 1. Each 16-bit word j of a block holds weights 2j and 2j + 1 in its bytes' low nibbles and 2j + 16,
+ * 2j + 17 in their high ones, so a mask, and a shift and a mask, give each of the four as an int16 lane
+ * in place, for both blocks at once (word lanes 0-7: block b, 8-15: block b + 1). The activations are
+ * laid out once per call to match (tf_qgemm4_prep: per pair of blocks, four 16-lane groups, the inputs
+ * of weights 2j, 2j + 1, 2j + 16 and 2j + 17), so a pair costs 7 instructions of weight unpacking shared
+ * by the rows and 4 vpmaddwd, 3 adds, a convert, a multiply and an FMA per row, none of them a
+ * shuffle. The integer dot of every block is the same exact integer as tf_qgemm_row's; its float
+ * partial sums are grouped by 8 products instead of 4, so results differ from that loop in the last
+ * bits. Each row's arithmetic is the same whatever M is (rows go four at a time over the same weights),
+ * so rows have no batch effects. */
+static void tf_qgemm4_prep(const int16_t *xq, const float *dx, int64_t nb, int16_t *xp, float *dx8) {
+    static const int off[4] = {0, 1, 16, 17};
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        int16_t *o = xp + b * 32;
+        for (int g = 0; g < 4; g++)
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < 8; j++) o[g * 16 + h * 8 + j] = xq[(b + h) * 32 + 2 * j + off[g]];
+        for (int i = 0; i < 4; i++) {
+            dx8[b * 4 + i] = dx[b];
+            dx8[b * 4 + 4 + i] = dx[b + 1];
+        }
+    }
+    if (b < nb) {       /* an odd last block keeps tf_qgemm_row's order and its one scale */
+        memcpy(xp + b * 32, xq + b * 32, 32 * sizeof(int16_t));
+        dx8[b * 4] = dx[b];
+    }
+}
+
+/* Blocks b and b + 1 of one weight row against M activation rows (laid out by tf_qgemm4_prep). */
+static inline __attribute__((always_inline)) void tf_qgemm4_pair(const int M, __m256 *acc, const uint8_t *q,
+                                                                const float *sb, const int16_t *xp,
+                                                                const float *dx8, int64_t K, int64_t nb,
+                                                                int64_t b) {
+    const __m256i lo = _mm256_set1_epi16(0x000F);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + b * 16));
+    const __m256i w0 = _mm256_and_si256(v, lo), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 8), lo);
+    const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo), w3 = _mm256_srli_epi16(v, 12);
+    const __m256 s = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(sb + b)),
+                                          _mm_broadcast_ss(sb + b + 1), 1);
+    for (int r = 0; r < M; r++) {
+        const __m256i *x = (const __m256i *)(xp + r * K + b * 32);
+        const __m256i p = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(x)), _mm256_madd_epi16(w1, _mm256_loadu_si256(x + 1))),
+            _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_loadu_si256(x + 2)), _mm256_madd_epi16(w3, _mm256_loadu_si256(x + 3))));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s, _mm256_loadu_ps(dx8 + r * nb * 4 + b * 4)),
+                                 acc[r]);
+    }
+}
+
+/* One int4 weight row for M <= 4 activation rows; two accumulator chains (alternate pairs). */
+static inline __attribute__((always_inline)) void tf_qgemm4_row(const int M, float *out, const int16_t *xp,
+                                                               const float *dx8, int64_t K, int64_t nb,
+                                                               const uint8_t *q, const float *sb) {
+    __m256 acc0[4], acc1[4];
+    for (int r = 0; r < M; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 3 < nb; b += 4) {
+        tf_qgemm4_pair(M, acc0, q, sb, xp, dx8, K, nb, b);
+        tf_qgemm4_pair(M, acc1, q, sb, xp, dx8, K, nb, b + 2);
+    }
+    if (b + 1 < nb) {
+        tf_qgemm4_pair(M, acc0, q, sb, xp, dx8, K, nb, b);
+        b += 2;
+    }
+    if (b < nb) {
+        __m256i w[2];
+        tf_load_weights(q, b, 4, w);
+        for (int r = 0; r < M; r++)
+            acc1[r] = _mm256_fmadd_ps(_mm256_set1_ps(sb[b] * dx8[r * nb * 4 + b * 4]),
+                                      tf_block_dot(w, xp + r * K + b * 32), acc1[r]);
+    }
+    for (int r = 0; r < M; r++) out[r] = tf_hsum(_mm256_add_ps(acc0[r], acc1[r]));
+}
 #endif
 
 /* A short float dot product without one long dependency chain (the m * sum(x) term, per row). */
@@ -1615,6 +1716,15 @@ void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
             for (int64_t g = 0; g < G; g++)
                 for (int64_t k = g * gs; k < (g + 1) * gs; k++) xs[r * G + g] += x[r * K + k];
     }
+#ifdef TF_QGEMM4
+    int16_t *xp = NULL;      /* int4 on AVX2: the activations in tf_qgemm4_pair's order */
+    float *dx8 = NULL;
+    if (bits == 4) {
+        xp = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
+        dx8 = (float *)malloc(sizeof(float) * (size_t)(M * nb * 4));
+        for (int64_t r = 0; r < M; r++) tf_qgemm4_prep(xq + r * K, dx + r * nb, nb, xp + r * K, dx8 + r * nb * 4);
+    }
+#endif
 #pragma omp parallel for schedule(static) if (N >= 64)
     for (int64_t n = 0; n < N; n++) {
         const float *dn = d + n * G;
@@ -1637,6 +1747,15 @@ void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
 #ifdef TF_QGEMM512
         TF_ROWS_SWITCH(tf_qgemm_row512, out, xq, dx, K, nb, qn, sb, bits)
 #else
+        if (xp) {
+            for (int r0 = 0; r0 < M; r0 += 4)
+                switch (M - r0) {
+                    case 1: tf_qgemm4_row(1, out + r0, xp + r0 * K, dx8 + r0 * nb * 4, K, nb, (const uint8_t *)qn, sb); break;
+                    case 2: tf_qgemm4_row(2, out + r0, xp + r0 * K, dx8 + r0 * nb * 4, K, nb, (const uint8_t *)qn, sb); break;
+                    case 3: tf_qgemm4_row(3, out + r0, xp + r0 * K, dx8 + r0 * nb * 4, K, nb, (const uint8_t *)qn, sb); break;
+                    default: tf_qgemm4_row(4, out + r0, xp + r0 * K, dx8 + r0 * nb * 4, K, nb, (const uint8_t *)qn, sb); break;
+                }
+        } else
         switch (M) {
             case 1: tf_qgemm_row(1, out, xq, dx, K, nb, qn, sb, bits); break;
             case 2: tf_qgemm_row(2, out, xq, dx, K, nb, qn, sb, bits); break;
@@ -1670,6 +1789,10 @@ void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
     free(xq);
     free(dx);
     free(xs);
+#ifdef TF_QGEMM4
+    free(xp);
+    free(dx8);
+#endif
 }
 
 /* ---------------------------------------------------------------------------------------------------------
