@@ -1,4 +1,7 @@
 """tokenfab's C kernels against their torch references, and the fallback when they cannot be built."""
+import os
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -224,6 +227,43 @@ def test_quantized_gemm_rows_are_independent_of_how_many_run_together(make):
     torch.testing.assert_close(alone, ref, rtol=1e-4, atol=5e-4 * float(ref.abs().max()))
     for rows in range(2, 12):
         assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows together differ from one at a time"
+
+
+@pytest.mark.parametrize("delay_us", [0, 300])
+def test_the_gemm_pool_gives_the_same_bits_when_its_workers_are_descheduled(delay_us):
+    """tf_qgemm's threads (tf_cols in cpu.c): the calling thread takes over any chunk a worker has not
+    finished in twice its own chunk time. With every worker chunk made to sleep 300 us (a worker the OS
+    descheduled), the caller takes chunks over and the late workers' results must be thrown away, also
+    once later calls (another layer, other buffers) are running: every output equals the OpenMP path's
+    bit for bit."""
+    torch.manual_seed(6)
+    layers = [Int4Linear.from_float(torch.randn(n, 576) * 0.05, None, 32) for n in (2048, 1152)]
+    layers.append(Q8_0Linear(torch.randint(-127, 128, (1536, 576), dtype=torch.int8), torch.rand(1536, 18)))
+    for layer in layers:
+        layer.kernel = "qgemm"
+    xs = [torch.randn(rows, 576) for rows in (1, 4, 1, 8)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)                     # the pool runs with 2+ threads, whatever the cores
+    try:
+        kernels.pool_config(False)
+        want = [[layer(x) for x in xs] for layer in layers]
+        kernels.pool_config(True, delay_us)
+        before = kernels.pool_stats()
+        for _ in range(20):
+            for layer, w in zip(layers, want):
+                for x, ref in zip(xs, w):
+                    assert torch.equal(layer(x), ref)
+        after = kernels.pool_stats()
+    finally:
+        kernels.pool_config(True, 0)
+        torch.set_num_threads(threads)
+    assert after["workers"] >= 1
+    if delay_us:
+        time.sleep(0.01)                         # the last late workers wake, and must not write anywhere
+        assert all(torch.equal(layer(x), ref) for layer, w in zip(layers, want) for x, ref in zip(xs, w))
+        assert after["taken_over"] > before["taken_over"] and kernels.pool_stats()["discarded"] > before["discarded"]
+    elif (os.cpu_count() or 1) >= 2:             # on one core the caller may well take every chunk itself
+        assert after["worker_chunks"] > before["worker_chunks"]
 
 
 @pytest.mark.parametrize("make", [

@@ -83,6 +83,8 @@ _SIGNATURES = {
     "tf_qbf16": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_qmadd": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_decode_layers": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I, _F],
+    "tf_pool_stats": [_P],
+    "tf_pool_config": [_I, _I, _I],
 }
 QGEMM_MAX_ROWS = 16     # rows tf_qgemm takes (8 per pass over W, TF_MAX_ROWS in cpu.c); 2-core VM: beats the
                         # float32 GEMM by 25-37 % at 9-16 decode rows, even at 24, behind at 32
@@ -349,6 +351,23 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> gelu_tanh(first half) * second half, [T, I] (GeGLU; a few ulp from torch's gelu)."""
     return _glu(_lib.tf_gelu_tanh_mul, gate_up)
+
+
+def pool_stats() -> dict[str, int]:
+    """The decode GEMMs' thread pool (tf_cols in cpu.c): chunks its workers published, chunks the calling thread
+    took over from a worker that had not finished (descheduled, as a rule), worker results thrown away because
+    of that, and workers started. Zeros when the kernels are off."""
+    out = (ctypes.c_int64 * 4)()
+    if enabled():
+        _lib.tf_pool_stats(out)
+    return dict(zip(("worker_chunks", "taken_over", "discarded", "workers"), out))
+
+
+def pool_config(enabled_: bool = True, delay_us: int = 0, spin_ns: int = -1) -> None:
+    """Tests and benchmarks: turn the pool off (the GEMMs then run in OpenMP's static schedule, as before it) and
+    make every worker chunk sleep `delay_us` (a descheduled worker, on demand)."""
+    if enabled():
+        _lib.tf_pool_config(int(enabled_), int(delay_us), int(spin_ns))
 
 
 def _layout_call(fn, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None,

@@ -6,13 +6,335 @@
  * called through ctypes; every kernel has a torch reference it is tested against.
  *
  * Threads: OpenMP. The shared library links libgomp.so.1, the soname torch's wheel ships, so the
- * process keeps one OpenMP runtime and one thread pool.
+ * process keeps one OpenMP runtime and one thread pool. The decode GEMMs (tf_qgemm) and the paged decode
+ * attention run on tf_cols / tf_team instead (below): a pool that does not wait for a descheduled thread.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+
+/* ---------------------------------------------------------------------------------------------------------
+ * tf_cols: the decode GEMMs' threads, on a pool that never waits for a descheduled thread.
+ *
+ * An OpenMP region ends in a barrier: when another process takes a core and the OS deschedules one of
+ * the engine's threads, every one of a step's ~150 regions waits for it to come back (issue 12: with two
+ * busy loops beside a 2-core engine, 2 threads kept 0.36 of the quiet speed, below what 1 thread gets).
+ * Here a job's outputs are cut into chunks, ~4 per thread, and each thread owns a contiguous run of them
+ * (OpenMP's static split, so in quiet a thread touches no line another writes until the end). The calling
+ * thread, done with its own, takes over what a worker has not claimed yet (from the end of its run) and any
+ * chunk a worker claimed but has not finished after a short wait (the caller's own chunk time, twice): a
+ * descheduled worker costs at most one chunk done twice, never a time slice. (A shared claim counter
+ * instead cost 25 % of a 1-row call on the 2-core EPYC: every claim moved its cache line across cores.)
+ * A worker computes its chunk into its own buffer and publishes it with a compare-and-swap on the chunk's
+ * state (tagged with the job's generation), so a worker that comes back after its chunk was taken over,
+ * or after the job ended, throws its result away. What a late worker can still read: the job's copy it
+ * made (validated by a sequence count), the weights, and the caller's scratch (tf_scratch, never freed).
+ * Outputs are bit-identical whoever computes a chunk (the same function on the same inputs).
+ * Workers are pthreads, started on first use, one fewer than omp_get_max_threads() (torch.set_num_threads
+ * and the engine's thread controller set it); they spin ~0.2 ms after a job, then sleep on a futex. A call
+ * made while another thread holds the pool, from inside an OpenMP region, or with one thread, runs the
+ * chunks in the calling thread's OpenMP team as before.
+ * tf_team runs the decode attention's task loop the same way, minus the takeover: each thread of the team
+ * runs the loop, which claims tasks until none is left; a worker joins only while the job is open, and
+ * the caller waits only for workers that joined (a worker descheduled before it joined costs nothing).
+ * Both keep a step's threads off OpenMP, whose workers spin ~1 ms after every region (GOMP_SPINCOUNT) on
+ * the cores the pool's workers need: with attention left in OpenMP, 2 threads ran 1 stream at 0.55x the
+ * OpenMP-only speed on the 2-core EPYC. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#define TF_UP64(n) (((n) + 63) & ~(size_t)63)
+#define TF_POOL_MAX 64            /* workers */
+#define TF_POOL_CHUNKS 1024       /* chunks per job, at most */
+#define TF_POOL_CHUNK_COLS 512    /* outputs per chunk, at most (a worker's buffer: TF_POOL_ROWS x this) */
+#define TF_POOL_ROWS 8            /* rows per tf_cols job, at most */
+#define TF_POOL_SPIN_NS 200000    /* by default a worker spins this long after a job before it sleeps */
+
+typedef void (*tf_cols_fn)(const void *job, int64_t n0, int64_t n1, float *y, int64_t ys);
+
+typedef struct {
+    tf_cols_fn fn;
+    void (*team)(void *ctx);          /* a tf_team job: every thread runs team(ctx) */
+    void *ctx;
+    float *y;
+    int64_t M, N, cols, nchunks, nthreads;
+    uint32_t gen;
+    unsigned char args[160];
+} tf_pool_job;
+
+static struct {
+    pthread_mutex_t lock;             /* one job at a time */
+    _Atomic uint32_t gen;             /* the futex word: bumped when a job is posted */
+    _Atomic uint32_t seq;             /* odd while `job` is being written */
+    _Atomic uint64_t team;            /* tf_team: gen << 32 | threads in it << 1 | closed */
+    _Atomic int sleepers;
+    int nworkers;
+    tf_pool_job job;
+    struct {                          /* per chunk, a cache line each: gen << 2 | state (TF_ST_*) */
+        _Atomic uint64_t v;
+        char pad[56];
+    } st[TF_POOL_CHUNKS] __attribute__((aligned(64)));
+    _Atomic int64_t worker_chunks __attribute__((aligned(64))), taken_over, discarded;
+    _Atomic int64_t delay_us;         /* tests: a worker sleeps this long inside every chunk */
+    _Atomic int64_t spin_ns;          /* how long a worker spins after a job before it sleeps */
+    int disabled;
+} tf_pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_ns = TF_POOL_SPIN_NS};
+
+enum { TF_ST_CLAIMED = 0, TF_ST_WRITING = 1, TF_ST_DONE = 2, TF_ST_TAKEN = 3 };
+#define TF_ST(g, state) (((uint64_t)(g) << 2) | (state))
+
+static inline void tf_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#else
+    __asm__ __volatile__("" ::: "memory");
+#endif
+}
+
+static inline int64_t tf_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void tf_futex_wait(_Atomic uint32_t *w, uint32_t v) {
+#ifdef __linux__
+    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT_PRIVATE, v, NULL, NULL, 0);
+#else
+    (void)w, (void)v;
+    sched_yield();
+#endif
+}
+
+static void tf_futex_wake(_Atomic uint32_t *w) {
+#ifdef __linux__
+    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE_PRIVATE, 1 << 30, NULL, NULL, 0);
+#else
+    (void)w;
+#endif
+}
+
+/* Chunk c of job g, if its state is from an earlier job: claim it (state -> `to`). */
+static inline int tf_pool_claim(int64_t c, uint32_t g, int to) {
+    uint64_t s = atomic_load_explicit(&tf_pool.st[c].v, memory_order_acquire);
+    return (int32_t)((uint32_t)(s >> 2) - g) < 0 &&      /* tags wrap: a late worker's job is older */
+           atomic_compare_exchange_strong(&tf_pool.st[c].v, &s, TF_ST(g, to));
+}
+
+static inline void tf_pool_range(const tf_pool_job *j, int64_t c, int64_t *n0, int64_t *n1) {
+    *n0 = c * j->cols;
+    *n1 = *n0 + j->cols < j->N ? *n0 + j->cols : j->N;
+}
+
+/* Thread t's run of chunks: [first, last). */
+static inline void tf_pool_run(const tf_pool_job *j, int64_t t, int64_t *first, int64_t *last) {
+    *first = j->nchunks * t / j->nthreads;
+    *last = j->nchunks * (t + 1) / j->nthreads;
+}
+
+static void *tf_pool_worker(void *arg) {
+    const int id = (int)(intptr_t)arg;          /* 1..nworkers: thread `id` of the job's team */
+    float buf[TF_POOL_ROWS * TF_POOL_CHUNK_COLS];
+    uint32_t seen = atomic_load(&tf_pool.gen);
+    for (;;) {
+        uint32_t g;
+        int64_t t0 = tf_now_ns();
+        for (int i = 0; (g = atomic_load_explicit(&tf_pool.gen, memory_order_acquire)) == seen; i++) {
+            tf_relax();
+            if ((i & 63) == 63 && tf_now_ns() - t0 > atomic_load_explicit(&tf_pool.spin_ns, memory_order_relaxed)) {
+                atomic_fetch_add(&tf_pool.sleepers, 1);
+                tf_futex_wait(&tf_pool.gen, seen);
+                atomic_fetch_sub(&tf_pool.sleepers, 1);
+                t0 = tf_now_ns();
+            }
+        }
+        seen = g;
+        tf_pool_job j;                                /* a copy, taken under the sequence count */
+        const uint32_t s1 = atomic_load_explicit(&tf_pool.seq, memory_order_acquire);
+        if (s1 & 1) continue;
+        memcpy(&j, (const void *)&tf_pool.job, sizeof j);
+        atomic_thread_fence(memory_order_acquire);
+        if (atomic_load_explicit(&tf_pool.seq, memory_order_relaxed) != s1 || j.gen != g || id >= j.nthreads)
+            continue;
+        if (j.team) {                                 /* join while the job is open, run, leave */
+            uint64_t t = atomic_load_explicit(&tf_pool.team, memory_order_acquire);
+            while ((uint32_t)(t >> 32) == g && !(t & 1) &&
+                   !atomic_compare_exchange_weak_explicit(&tf_pool.team, &t, t + 2, memory_order_acq_rel,
+                                                          memory_order_acquire))
+                ;
+            if ((uint32_t)(t >> 32) != g || (t & 1)) continue;
+            j.team(j.ctx);
+            atomic_fetch_sub_explicit(&tf_pool.team, 2, memory_order_release);
+            continue;
+        }
+        int64_t first, last, done = 0;
+        tf_pool_run(&j, id, &first, &last);
+        for (int64_t c = first; c < last; c++) {
+            if (!tf_pool_claim(c, g, TF_ST_CLAIMED)) continue;      /* taken over, or the job has ended */
+            int64_t n0, n1;
+            tf_pool_range(&j, c, &n0, &n1);
+            j.fn(j.args, n0, n1, buf, n1 - n0);
+            const int64_t delay = atomic_load_explicit(&tf_pool.delay_us, memory_order_relaxed);
+            if (delay) {
+                struct timespec ts = {0, delay * 1000};
+                nanosleep(&ts, NULL);
+            }
+            uint64_t s = TF_ST(g, TF_ST_CLAIMED);          /* still ours: publish, else throw the result away */
+            if (!atomic_compare_exchange_strong(&tf_pool.st[c].v, &s, TF_ST(g, TF_ST_WRITING))) {
+                atomic_fetch_add_explicit(&tf_pool.discarded, 1, memory_order_relaxed);
+                continue;
+            }
+            for (int64_t r = 0; r < j.M; r++)
+                memcpy(j.y + r * j.N + n0, buf + r * (n1 - n0), sizeof(float) * (size_t)(n1 - n0));
+            atomic_store_explicit(&tf_pool.st[c].v, TF_ST(g, TF_ST_DONE), memory_order_release);
+            done++;
+        }
+        if (done) atomic_fetch_add_explicit(&tf_pool.worker_chunks, done, memory_order_relaxed);
+    }
+    return NULL;
+}
+
+static void tf_pool_atfork_child(void) {     /* the workers do not survive a fork */
+    pthread_mutex_init(&tf_pool.lock, NULL);
+    tf_pool.nworkers = 0;
+    atomic_store(&tf_pool.sleepers, 0);
+}
+
+static void tf_pool_start(int want) {
+    static int atfork;
+    if (!atfork) atfork = !pthread_atfork(NULL, NULL, tf_pool_atfork_child);
+    for (; tf_pool.nworkers < want && tf_pool.nworkers < TF_POOL_MAX; tf_pool.nworkers++) {
+        pthread_t t;
+        pthread_attr_t a;
+        pthread_attr_init(&a);
+        pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+        const int ok = !pthread_create(&t, &a, tf_pool_worker, (void *)(intptr_t)(tf_pool.nworkers + 1));
+        pthread_attr_destroy(&a);
+        if (!ok) break;
+    }
+}
+
+/* This thread's scratch of at least `bytes`: grown, never freed (a late pool worker may still read it). */
+static void *tf_scratch(size_t bytes) {
+    static __thread char *p;
+    static __thread size_t have;
+    if (bytes > have) {
+        have = bytes > 2 * have ? bytes : 2 * have;
+        p = (char *)aligned_alloc(64, TF_UP64(have));    /* the old one is left: see above */
+    }
+    return p;
+}
+
+/* Post a job (the caller holds the lock): write it under the sequence count, open its claims, wake the
+ * workers. Returns its generation. */
+static uint32_t tf_pool_post(int nth, tf_cols_fn fn, const void *args, size_t args_size, int64_t M, int64_t N,
+                             int64_t cols, int64_t nchunks, float *y, void (*team)(void *), void *ctx) {
+    tf_pool_start(nth - 1);
+    tf_pool_job *j = &tf_pool.job;
+    const uint32_t g = atomic_load_explicit(&tf_pool.gen, memory_order_relaxed) + 1;
+    atomic_fetch_add_explicit(&tf_pool.seq, 1, memory_order_acq_rel);        /* odd: being written */
+    atomic_thread_fence(memory_order_release);
+    j->fn = fn, j->team = team, j->ctx = ctx, j->y = y, j->M = M, j->N = N, j->cols = cols, j->nchunks = nchunks;
+    j->nthreads = nth, j->gen = g;
+    if (args_size) memcpy(j->args, args, args_size);
+    atomic_fetch_add_explicit(&tf_pool.seq, 1, memory_order_release);        /* even: valid */
+    atomic_store_explicit(&tf_pool.team, (uint64_t)g << 32, memory_order_release);
+    atomic_store_explicit(&tf_pool.gen, g, memory_order_release);
+    if (atomic_load(&tf_pool.sleepers)) tf_futex_wake(&tf_pool.gen);
+    return g;
+}
+
+/* Every thread of a team of `nth` (the caller and up to nth - 1 workers) runs body(ctx); body claims its
+ * own work, so threads that never join change nothing. Returns when every thread that joined has left. */
+static __attribute__((unused)) void tf_team(void (*body)(void *), void *ctx, int nth) {
+    if (nth < 2 || tf_pool.disabled || omp_in_parallel() || pthread_mutex_trylock(&tf_pool.lock)) {
+#pragma omp parallel num_threads(nth) if (nth >= 2)
+        body(ctx);
+        return;
+    }
+    tf_pool_post(nth, NULL, NULL, 0, 0, 0, 0, 0, NULL, body, ctx);
+    body(ctx);
+    uint64_t t = atomic_load_explicit(&tf_pool.team, memory_order_acquire);
+    while (!atomic_compare_exchange_weak_explicit(&tf_pool.team, &t, t | 1, memory_order_acq_rel,
+                                                  memory_order_acquire))
+        ;                                                       /* closed: no one joins any more */
+    while ((atomic_load_explicit(&tf_pool.team, memory_order_acquire) & 0xfffffffeu) != 0) tf_relax();
+    pthread_mutex_unlock(&tf_pool.lock);
+}
+
+/* y[r * N + n] for r < M, n < N, from fn over column ranges (see above). */
+static void tf_cols(tf_cols_fn fn, const void *args, size_t args_size, int64_t M, int64_t N, float *y) {
+    const int nth = omp_in_parallel() ? 1 : omp_get_max_threads();
+    int64_t cols = (N + 4 * nth - 1) / (4 * nth);              /* ~4 chunks per thread */
+    cols = cols < 16 ? 16 : cols > TF_POOL_CHUNK_COLS ? TF_POOL_CHUNK_COLS : (cols + 15) & ~(int64_t)15;
+    if (cols * TF_POOL_CHUNKS < N) cols = (N + TF_POOL_CHUNKS - 1) / TF_POOL_CHUNKS;
+    const int64_t nchunks = (N + cols - 1) / cols;
+    if (nth < 2 || N < 64 || cols > TF_POOL_CHUNK_COLS || args_size > sizeof tf_pool.job.args || tf_pool.disabled ||
+        M > TF_POOL_ROWS || pthread_mutex_trylock(&tf_pool.lock)) {
+#pragma omp parallel for schedule(static) if (N >= 64)
+        for (int64_t c = 0; c < nchunks; c++) {
+            const int64_t n0 = c * cols, n1 = n0 + cols < N ? n0 + cols : N;
+            fn(args, n0, n1, y + n0, N);
+        }
+        return;
+    }
+    tf_pool_job *j = &tf_pool.job;
+    const uint32_t g = tf_pool_post(nth, fn, args, args_size, M, N, cols, nchunks, y, NULL, NULL);
+    int64_t first, last, chunk_ns = 20000;                     /* until one of its own chunks is timed */
+    tf_pool_run(j, 0, &first, &last);
+    for (int64_t c = first; c < last; c++) {                  /* its own run: no one else claims these */
+        int64_t n0, n1;
+        tf_pool_range(j, c, &n0, &n1);
+        const int64_t t0 = tf_now_ns();
+        fn(args, n0, n1, y + n0, N);
+        chunk_ns = tf_now_ns() - t0;
+        atomic_store_explicit(&tf_pool.st[c].v, TF_ST(g, TF_ST_DONE), memory_order_release);
+    }
+    for (int64_t c = nchunks - 1; c >= last; c--) {           /* the workers' runs, from their ends */
+        const int64_t t0 = tf_now_ns();
+        for (int i = 0;; i++) {
+            uint64_t s = atomic_load_explicit(&tf_pool.st[c].v, memory_order_acquire);
+            if (s == TF_ST(g, TF_ST_DONE)) break;
+            /* not claimed yet: take it; claimed: wait for it a while, then take it over */
+            const int unclaimed = (uint32_t)(s >> 2) != g;
+            if ((unclaimed || (s == TF_ST(g, TF_ST_CLAIMED) && (i & 15) == 15 &&
+                               tf_now_ns() - t0 > 2 * chunk_ns + 2000)) &&
+                atomic_compare_exchange_strong(&tf_pool.st[c].v, &s, TF_ST(g, TF_ST_TAKEN))) {
+                int64_t n0, n1;
+                tf_pool_range(j, c, &n0, &n1);
+                fn(args, n0, n1, y + n0, N);
+                if (!unclaimed) atomic_fetch_add_explicit(&tf_pool.taken_over, 1, memory_order_relaxed);
+                break;
+            }
+            tf_relax();
+        }
+    }
+    pthread_mutex_unlock(&tf_pool.lock);
+}
+
+/* Tests and benchmarks: the pool's counters (chunks workers published, chunks the caller took over, results
+ * workers threw away), its switch (off: OpenMP's static schedule), and a delay inside every worker chunk. */
+void tf_pool_stats(int64_t *out) {
+    out[0] = atomic_load(&tf_pool.worker_chunks);
+    out[1] = atomic_load(&tf_pool.taken_over);
+    out[2] = atomic_load(&tf_pool.discarded);
+    out[3] = tf_pool.nworkers;
+}
+
+void tf_pool_config(int64_t enabled, int64_t delay_us, int64_t spin_ns) {
+    tf_pool.disabled = !enabled;
+    atomic_store(&tf_pool.delay_us, delay_us);
+    if (spin_ns >= 0) atomic_store(&tf_pool.spin_ns, spin_ns);
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -520,35 +842,43 @@ static inline int64_t tf_row_offsets(int64_t *off, const int64_t *bt, int64_t ct
     return L;
 }
 
-/* The task loop, for float32 (half = 0) or float16 (half = 1) pools; D a multiple of 64. */
-static inline __attribute__((always_inline)) void tf_paged_attention_t(
-        float *out, const float *q, int64_t q_stride, const char *k_cache, const char *v_cache,
-        const int64_t *block_tables, int64_t bt_stride, const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH,
-        int64_t D, int64_t bs, float scale, int64_t window, const int half) {
+/* The task loop (one thread's, every thread of the team runs it), for float32 (half = 0) or float16
+ * (half = 1) pools; D a multiple of 64. */
+typedef struct {
+    float *out;
+    const float *q;
+    const char *k_cache, *v_cache;
+    const int64_t *block_tables, *ctx_lens;
+    int64_t q_stride, bt_stride, B, H, KVH, D, bs, window, max_len, per;
+    float scale;
+    int64_t claimed;        /* tasks handed out; each thread claims its next task before it starts one */
+} tf_attn_job;
+
+static inline __attribute__((always_inline)) void tf_paged_attention_t(tf_attn_job *J, const int half) {
+    float *out = J->out;
+    const float *q = J->q;
+    const char *k_cache = J->k_cache, *v_cache = J->v_cache;
+    const int64_t *block_tables = J->block_tables, *ctx_lens = J->ctx_lens;
+    const int64_t q_stride = J->q_stride, bt_stride = J->bt_stride, B = J->B, H = J->H, KVH = J->KVH, D = J->D;
+    const int64_t bs = J->bs, window = J->window, max_len = J->max_len, per = J->per;
+    const float scale = J->scale;
     const int64_t G = H / KVH, es = half ? 2 : 4;
 #if defined(__AVX512F__)
     const int64_t pv_passes = (G + 3) / 4 * (D / 64);      /* tf_ahead_step calls per 4 keys of a kv head: */
 #else
     const int64_t pv_passes = G * (D / 64);                /* one in QK, one per P V pass */
 #endif
-    int64_t max_len = 1;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t n = window > 0 && ctx_lens[b] > window ? window : ctx_lens[b];
-        max_len = n > max_len ? n : max_len;
-    }
-    int64_t claimed = 0;        /* tasks handed out; each thread claims its next task before it starts one */
-#pragma omp parallel if (B * KVH >= 2)
     {
         float *p = (float *)malloc(sizeof(float) * (size_t)(G * max_len));
         int64_t *offs = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * max_len));
         int64_t *off = offs, *off_next = offs + max_len;
         /* Tasks: whole sequences when there are enough of them (a sequence's kv heads interleave in
          * its rows, so one core reads them all while they are in its cache), else (sequence, kv head). */
-        const int64_t per = B >= 4 * omp_get_num_threads() ? KVH : 1, ntasks = B * KVH / per;
-        int64_t task = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED), b = task * per / KVH, L = 0;
+        const int64_t ntasks = B * KVH / per;
+        int64_t task = __atomic_fetch_add(&J->claimed, 1, __ATOMIC_RELAXED), b = task * per / KVH, L = 0;
         if (task < ntasks) L = tf_row_offsets(off, block_tables + b * bt_stride, ctx_lens[b], window, bs, KVH, D);
         while (task < ntasks) {
-            const int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED), nb = next * per / KVH;
+            const int64_t next = __atomic_fetch_add(&J->claimed, 1, __ATOMIC_RELAXED), nb = next * per / KVH;
             const int64_t kh0 = task * per % KVH;
             const int whole = per > 1;
             tf_ahead_t ah = {0};
@@ -589,6 +919,25 @@ static inline __attribute__((always_inline)) void tf_paged_attention_t(
         free(offs);
     }
 }
+
+static void tf_paged_attention_f32(void *J) { tf_paged_attention_t((tf_attn_job *)J, 0); }
+static void tf_paged_attention_f16(void *J) { tf_paged_attention_t((tf_attn_job *)J, 1); }
+
+/* The team: whole sequences per task when there are enough of them (a sequence's kv heads interleave in its
+ * rows, so one core reads them all while they are in its cache), else (sequence, kv head). */
+static void tf_paged_attention(float *out, const float *q, int64_t q_stride, const char *k_cache, const char *v_cache,
+                               const int64_t *block_tables, int64_t bt_stride, const int64_t *ctx_lens, int64_t B,
+                               int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, int64_t window, int half) {
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = window > 0 && ctx_lens[b] > window ? window : ctx_lens[b];
+        max_len = n > max_len ? n : max_len;
+    }
+    const int nth = B * KVH >= 2 && !omp_in_parallel() ? omp_get_max_threads() : 1;
+    tf_attn_job J = {out, q, k_cache, v_cache, block_tables, ctx_lens, q_stride, bt_stride, B, H, KVH, D, bs, window,
+                     max_len, B >= 4 * nth ? KVH : 1, scale, 0};
+    tf_team(half ? tf_paged_attention_f16 : tf_paged_attention_f32, &J, nth);
+}
 #endif
 
 void tf_paged_decode_attention(float *out, const float *q, int64_t q_stride, const float *k_cache,
@@ -597,8 +946,8 @@ void tf_paged_decode_attention(float *out, const float *q, int64_t q_stride, con
                                int64_t bs, float scale, int64_t window) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (D % 64 == 0) {
-        tf_paged_attention_t(out, q, q_stride, (const char *)k_cache, (const char *)v_cache, block_tables, bt_stride,
-                             ctx_lens, B, H, KVH, D, bs, scale, window, 0);
+        tf_paged_attention(out, q, q_stride, (const char *)k_cache, (const char *)v_cache, block_tables, bt_stride,
+                           ctx_lens, B, H, KVH, D, bs, scale, window, 0);
         return;
     }
 #endif
@@ -612,8 +961,8 @@ void tf_paged_decode_attention_f16(float *out, const float *q, int64_t q_stride,
                                    const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
                                    int64_t bs, float scale, int64_t window) {
 #if defined(__AVX2__) && defined(__FMA__)
-    tf_paged_attention_t(out, q, q_stride, (const char *)k_cache, (const char *)v_cache, block_tables, bt_stride,
-                         ctx_lens, B, H, KVH, D, bs, scale, window, 1);
+    tf_paged_attention(out, q, q_stride, (const char *)k_cache, (const char *)v_cache, block_tables, bt_stride,
+                       ctx_lens, B, H, KVH, D, bs, scale, window, 1);
 #else
     (void)out; (void)q; (void)q_stride; (void)k_cache; (void)v_cache; (void)block_tables; (void)bt_stride;
     (void)ctx_lens; (void)B; (void)H; (void)KVH; (void)D; (void)bs; (void)scale; (void)window;
@@ -1686,47 +2035,26 @@ void tf_qdot(float *y, const float *x, int64_t M, int64_t K, int64_t N, const vo
 void tf_qtile(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const float *d,
               const float *m, int64_t gs, int64_t bits);
 
-void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const float *d,
-              const float *m, int64_t gs, int64_t bits) {
-    if (bits & TF_QTILE) {               /* a qtile layout (below) */
-        tf_qtile(y, x, M, K, N, q, d, m, gs, bits & ~TF_QTILE);
-        return;
-    }
-    if (bits & TF_QDOT) {                /* a qdot layout (the one-call decode stack takes either kernel) */
-        tf_qdot(y, x, M, K, N, q, d, m, gs, bits & ~TF_QDOT);
-        return;
-    }
-    if (tf_kquant_block_bytes(bits)) {   /* a K-quant layout: bits is ggml's type id */
-        tf_kgemm(y, x, M, K, N, (const uint8_t *)q, bits);
-        return;
-    }
-    if (M > TF_MAX_ROWS) {   /* the register tile holds 8 rows: more rows, more passes over W */
-        for (int64_t r0 = 0; r0 < M; r0 += TF_MAX_ROWS)
-            tf_qgemm(y + r0 * N, x + r0 * K, M - r0 < TF_MAX_ROWS ? M - r0 : TF_MAX_ROWS, K, N, q, d, m, gs, bits);
-        return;
-    }
-    const int64_t G = K / gs, nb = K / 32, bpg = gs / 32;
-    const int64_t row_bytes = bits == 4 ? K / 2 : K;
-    int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
-    float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
-    float *xs = (float *)calloc((size_t)(M * G + 1), sizeof(float));   /* float sums of x per group */
-    for (int64_t r = 0; r < M; r++) {
-        tf_quantize_blocks(x + r * K, K, xq + r * K, dx + r * nb);
-        if (bits == 4)
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t k = g * gs; k < (g + 1) * gs; k++) xs[r * G + g] += x[r * K + k];
-    }
+/* tf_qgemm's outputs n0..n1-1 for every row, into y[r * ys + n - n0]. */
+typedef struct {
+    const void *q;
+    const float *d, *m, *dx, *xs, *dx8;
+    const int16_t *xq, *xp;
+    int64_t M, K, N, G, nb, bpg, row_bytes, bits;
+} tf_qgemm_job;
+
+static void tf_qgemm_cols(const void *job, int64_t n0, int64_t n1, float *y, int64_t ys) {
+    const tf_qgemm_job *J = (const tf_qgemm_job *)job;
+    const void *q = J->q;
+    const float *d = J->d, *m = J->m, *dx = J->dx, *xs = J->xs;
+    const int16_t *xq = J->xq;
+    const int64_t M = J->M, K = J->K, G = J->G, nb = J->nb, bpg = J->bpg, row_bytes = J->row_bytes, bits = J->bits;
 #ifdef TF_QGEMM4
-    int16_t *xp = NULL;      /* int4 on AVX2: the activations in tf_qgemm4_pair's order */
-    float *dx8 = NULL;
-    if (bits == 4) {
-        xp = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
-        dx8 = (float *)malloc(sizeof(float) * (size_t)(M * nb * 4));
-        for (int64_t r = 0; r < M; r++) tf_qgemm4_prep(xq + r * K, dx + r * nb, nb, xp + r * K, dx8 + r * nb * 4);
-    }
+    const int16_t *xp = J->xp;
+    const float *dx8 = J->dx8;
 #endif
-#pragma omp parallel for schedule(static) if (N >= 64)
-    for (int64_t n = 0; n < N; n++) {
+    (void)xq;
+    for (int64_t n = n0; n < n1; n++) {
         const float *dn = d + n * G;
         const void *qn = (const uint8_t *)q + n * row_bytes;
         float out[TF_MAX_ROWS];
@@ -1784,15 +2112,61 @@ void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
 #endif
         if (bits == 4)
             for (int64_t r = 0; r < M; r++) out[r] += tf_dot_f32(m + n * G, xs + r * G, G);
-        for (int64_t r = 0; r < M; r++) y[r * N + n] = out[r];
+        for (int64_t r = 0; r < M; r++) y[r * ys + n - n0] = out[r];
     }
-    free(xq);
-    free(dx);
-    free(xs);
+}
+
+void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const float *d,
+              const float *m, int64_t gs, int64_t bits) {
+    if (bits & TF_QTILE) {               /* a qtile layout (below) */
+        tf_qtile(y, x, M, K, N, q, d, m, gs, bits & ~TF_QTILE);
+        return;
+    }
+    if (bits & TF_QDOT) {                /* a qdot layout (the one-call decode stack takes either kernel) */
+        tf_qdot(y, x, M, K, N, q, d, m, gs, bits & ~TF_QDOT);
+        return;
+    }
+    if (tf_kquant_block_bytes(bits)) {   /* a K-quant layout: bits is ggml's type id */
+        tf_kgemm(y, x, M, K, N, (const uint8_t *)q, bits);
+        return;
+    }
+    if (M > TF_MAX_ROWS) {   /* the register tile holds 8 rows: more rows, more passes over W */
+        for (int64_t r0 = 0; r0 < M; r0 += TF_MAX_ROWS)
+            tf_qgemm(y + r0 * N, x + r0 * K, M - r0 < TF_MAX_ROWS ? M - r0 : TF_MAX_ROWS, K, N, q, d, m, gs, bits);
+        return;
+    }
+    const int64_t G = K / gs, nb = K / 32, bpg = gs / 32;
+    const int64_t row_bytes = bits == 4 ? K / 2 : K;
+    /* the activations' copies live in this thread's scratch, never freed (tf_cols: a late pool worker may read them) */
+    const size_t nxq = (size_t)(M * K) * sizeof(int16_t), ndx = (size_t)(M * nb) * sizeof(float);
+    char *buf = (char *)tf_scratch(2 * nxq + 5 * ndx + (size_t)(M * G + 1) * sizeof(float) + 4 * 64);
+    int16_t *xq = (int16_t *)buf;
+    float *dx = (float *)(buf + TF_UP64(nxq));
+    float *xs = (float *)(buf + TF_UP64(nxq) + TF_UP64(ndx));     /* float sums of x per group */
+    memset(xs, 0, (size_t)(M * G + 1) * sizeof(float));
+    for (int64_t r = 0; r < M; r++) {
+        tf_quantize_blocks(x + r * K, K, xq + r * K, dx + r * nb);
+        if (bits == 4)
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t k = g * gs; k < (g + 1) * gs; k++) xs[r * G + g] += x[r * K + k];
+    }
 #ifdef TF_QGEMM4
-    free(xp);
-    free(dx8);
+    int16_t *xp = NULL;      /* int4 on AVX2: the activations in tf_qgemm4_pair's order */
+    float *dx8 = NULL;
+    if (bits == 4) {
+        xp = (int16_t *)((char *)xs + TF_UP64((size_t)(M * G + 1) * sizeof(float)));
+        dx8 = (float *)((char *)xp + TF_UP64(nxq));
+        for (int64_t r = 0; r < M; r++) tf_qgemm4_prep(xq + r * K, dx + r * nb, nb, xp + r * K, dx8 + r * nb * 4);
+    }
 #endif
+    const tf_qgemm_job job = {q, d, m, dx, xs,
+#ifdef TF_QGEMM4
+                              dx8, xq, xp,
+#else
+                              NULL, xq, NULL,
+#endif
+                              M, K, N, G, nb, bpg, row_bytes, bits};
+    tf_cols(tf_qgemm_cols, &job, sizeof job, M, N, y);
 }
 
 /* ---------------------------------------------------------------------------------------------------------
