@@ -5,9 +5,11 @@ quiet figure measured in the same run, with the adaptive thread count on and off
     python benchmarks/contention.py --busy 1 --tokens 128
     python benchmarks/contention.py --url http://127.0.0.1:8080   # any OpenAI-compatible server, e.g. llama-server
 
-It also prints the fair-share ceiling: with B busy processes and T engine threads on C cores, a fair
-scheduler gives each runnable thread at most C/(B+T) of a core, so no thread count can beat
-max over T of (quiet tok/s at T threads) x min(1, C/(B+T)), even with perfect gang scheduling.
+It also prints the fair-share ceiling for thread counts up to the cores: with B busy processes and T
+engine threads on C cores, a fair scheduler gives each runnable thread at most C/(B+T) of a core, so no
+such count can beat max over T of (quiet tok/s at T threads) x min(1, C/(B+T)), even with perfect gang
+scheduling. More threads than cores claim more of the scheduler's time (T x C/(B+T) cores in all), so
+the adaptive controller, which goes there when the C kernels' pool runs the step, is not bound by it.
 
 The busy processes are plain Python loops (one core each), like the two `yes > /dev/null` of issue 12.
 `--url` measures a running server the same way (one non-streamed completion at a time, `ignore_eos`),
@@ -25,7 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # tokenfab first: importing it sets OpenMP's spin wait (GOMP_SPINCOUNT), which libgomp reads when torch loads it
-from tokenfab import LLM, SamplingParams  # noqa: E402
+from tokenfab import LLM, SamplingParams, kernels  # noqa: E402
 import torch  # noqa: E402
 from tokenfab.model.loader import load_model_files  # noqa: E402
 
@@ -105,7 +107,8 @@ def print_ceiling(files, args, quiet_full: float) -> None:
         best = max(best, q * share / quiet_full)
         print(f"{t:8d} {q:12.1f} {share:11.2f} {q * share / quiet_full:14.2f}")
     torch.set_num_threads(full)
-    print(f"fair-share ceiling of busy/quiet with {args.busy} busy processes on {cores} cores: {best:.2f}")
+    print(f"fair-share ceiling of busy/quiet with {args.busy} busy processes on {cores} cores, up to {full} "
+          f"threads: {best:.2f}")
 
 
 def main() -> None:
@@ -126,18 +129,21 @@ def main() -> None:
         tok_per_s(llm, 8, 1)                                   # warm
         quiet = tok_per_s(llm, args.tokens, args.repeats)
         stop, procs = _busy_loops(args.busy)
+        ctl = llm.engine.thread_controller
         try:
             busy = tok_per_s(llm, args.tokens, args.repeats)
-            threads = torch.get_num_threads()
+            threads = ctl.threads if ctl else torch.get_num_threads()
         finally:
             _end_busy(stop, procs)
-        ctl = llm.engine.thread_controller
-        rows.append((adaptive, quiet, busy, threads, ctl.reductions if ctl else 0))
+        rows.append((adaptive, quiet, busy, threads, ctl.reductions if ctl else 0, ctl.raises if ctl else 0))
         torch.set_num_threads(ctl.max_threads if ctl else torch.get_num_threads())
+        kernels.pool_threads(0)                                # the controller may have left it above the cores
         del llm
-    print(f"{'adaptive threads':>17} {'quiet tok/s':>12} {'busy tok/s':>11} {'busy/quiet':>11} {'threads':>8} {'lowered':>8}")
-    for adaptive, quiet, busy, threads, red in rows:
-        print(f"{'on' if adaptive else 'off':>17} {quiet:12.1f} {busy:11.1f} {busy / quiet:11.2f} {threads:8d} {red:8d}")
+    print(f"{'adaptive threads':>17} {'quiet tok/s':>12} {'busy tok/s':>11} {'busy/quiet':>11} {'threads':>8} "
+          f"{'lowered':>8} {'raised':>7}")
+    for adaptive, quiet, busy, threads, red, up in rows:
+        print(f"{'on' if adaptive else 'off':>17} {quiet:12.1f} {busy:11.1f} {busy / quiet:11.2f} {threads:8d} "
+              f"{red:8d} {up:7d}")
     print_ceiling(files, args, rows[-1][1])
     print("command: python benchmarks/contention.py " + " ".join(sys.argv[1:]))
 

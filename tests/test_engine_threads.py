@@ -88,3 +88,27 @@ def test_importing_tokenfab_shortens_openmps_spin_wait_unless_the_user_set_one()
     env["GOMP_SPINCOUNT"] = "300000"
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=True).stdout.strip() == "300000"
+
+
+def test_with_room_above_the_cores_contention_raises_the_count_and_quiet_steps_bring_it_back():
+    """cpu.c's pool does not wait for descheduled threads, so beside busy processes more threads than
+    cores claim more of a fair scheduler's time: trials go up first, are kept while they help, and a probe
+    of the core count every `probe_every` steps returns there once the contention has ended."""
+    set_to = []
+    ctl = ThreadController(2, patience=3, probe_every=20, max_over=2, set_threads=set_to.append)
+    _run(ctl, {2: 0.010}, 20)
+    contended = {1: 0.025, 2: 0.030, 3: 0.026, 4: 0.016}     # 3 still slow (2.6x quiet): it goes on up
+    seen = _run(ctl, contended, 40)
+    assert max(seen) == 4 and seen[-1] == 4 and ctl.raises >= 2 and ctl.reductions == 0
+    assert max(set_to) == 4                                  # never above max_threads + max_over
+    quiet = {2: 0.010, 3: 0.013, 4: 0.014}                   # oversubscribed in quiet: slower, not slow
+    seen = _run(ctl, quiet, 30)
+    assert seen[-1] == 2 and set_to[-1] == 2
+
+
+def test_a_raise_that_does_not_help_is_undone_and_the_next_trial_goes_down():
+    ctl = ThreadController(2, patience=3, probe_every=10, max_over=2, set_threads=lambda n: None)
+    _run(ctl, {2: 0.010}, 20)
+    seen = _run(ctl, {1: 0.020, 2: 0.030, 3: 0.031}, 40)
+    assert ctl.raises >= 1 and ctl.reductions >= 1 and seen[-1] == 1
+    assert ctl.reverts >= 1 and 3 not in seen[-10:]

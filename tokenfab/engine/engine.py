@@ -4,6 +4,7 @@ The offline `LLM`, the CLI and the server's AsyncEngine all drive this class.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from tokenfab.engine.structured import GrammarCompiler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.engine.sliding_kv import SlidingBlocks, fit_blocks, pool_size, sliding_layer_share
 from tokenfab.engine.threads import ThreadController, free_cores
+from tokenfab import kernels
 from tokenfab.kernels.tuning import select_kernels
 from tokenfab.model.attention import kv_bytes_per_token, kv_cache_torch_dtype
 from tokenfab.model.backends import bf16_prefill_rows, c_float16_pools
@@ -36,6 +38,14 @@ from tokenfab.quant.load import build_model
 from tokenfab.sampling import SamplingParams
 
 log = logging.getLogger("tokenfab.engine")
+
+
+def _set_threads(cores: int, n: int) -> None:
+    """The thread controller's count: torch's up to `cores`, the C kernels' pool all of it (above `cores`,
+    oversubscribed on purpose: see engine/threads.py)."""
+    torch.set_num_threads(min(n, cores))
+    kernels.pool_threads(n if n > cores else 0)
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -121,7 +131,7 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
-    num_threads: int = 0                 # torch/OpenMP threads the steps run on now
+    num_threads: int = 0                 # threads the steps run on now (the C kernels' pool's, above the cores)
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
@@ -232,10 +242,13 @@ class LLMEngine:
         # AsyncEngine picking a thread count for the step's size.
         self.before_execute = None
         self.errors: dict[str, str] = {}      # request id -> why it failed, until its output is returned
-        # lowers torch's thread count while other processes take cores (engine/threads.py)
-        self.thread_controller = (ThreadController(torch.get_num_threads(), cores_free=free_cores)
-                                  if config.adaptive_threads and config.device == "cpu" and torch.get_num_threads() > 1
-                                  else None)
+        # adapts the thread count while other processes take cores (engine/threads.py): torch's up to the
+        # count it started with, the C kernels' own pool (cpu.c's tf_cols) up to twice that
+        threads = torch.get_num_threads()
+        self.thread_controller = (ThreadController(threads, cores_free=free_cores,
+                                                   max_over=threads if kernels.enabled() else 0,
+                                                   set_threads=functools.partial(_set_threads, threads))
+                                  if config.adaptive_threads and config.device == "cpu" and threads > 1 else None)
 
     def _choose_kernels(self, kv_dtype: torch.dtype, kv_bytes: int) -> None:
         """Every linear's kernels (the measured table) and the attention backend, once."""
@@ -488,7 +501,8 @@ class LLMEngine:
         bm = self.block_manager
         stats = EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage(), bm.num_blocks,
                             bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
-                            self.prompt_tokens_total, self.generation_tokens_total, torch.get_num_threads())
+                            self.prompt_tokens_total, self.generation_tokens_total,
+                            self.thread_controller.threads if self.thread_controller else torch.get_num_threads())
         if self.spec is not None:
             s = self.spec.stats
             stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens = s.num_drafts, s.num_draft_tokens

@@ -17,6 +17,16 @@ drop instead favoured dropping: those are the worst steps at that count, picked 
 While lowered it probes one thread more every `probe_every` steps and keeps it when the probe step
 is no longer slow, so the count comes back when the contention ends. It only ever calls
 `set_threads`; the engine calls `observe` once per step.
+
+More threads than cores (`max_over` counts above `max_threads`): with the decode GEMMs and attention on
+cpu.c's own pool, which never waits for a descheduled thread, extra threads are extra claims on a fair
+scheduler's time and no longer extra barriers to wait at. On the 2-core EPYC beside two busy loops, 3-4
+threads kept 0.45-0.58 of the quiet speed where 2 kept 0.38 and 1 kept 0.42 (a fair share of 2 cores
+among 4 runnable threads caps 2 at 0.5). So a contention trial goes up first when `max_over` allows:
+the same trial and judgement, one thread more; a rejected trial turns the next one the other way. Above
+`max_threads` it probes `max_threads` every `probe_every` steps and stays there when that step is not
+slow (the contention has ended and oversubscription only costs). `set_threads` gets the count; the
+engine gives torch at most `max_threads` and the pool the rest (tokenfab.kernels.pool_config).
 """
 from __future__ import annotations
 
@@ -47,8 +57,9 @@ class ThreadController:
     def __init__(self, max_threads: int, *, slow_factor: float = 2.5, patience: int = 3, window: int = 31,
                  probe_every: int = 64, min_samples: int = 8, min_gain: float = 0.1,
                  set_threads: Callable[[int], None] = torch.set_num_threads,
-                 cores_free: Callable[[], int | None] | None = None):
+                 cores_free: Callable[[], int | None] | None = None, max_over: int = 0):
         self.max_threads = self.threads = max(1, max_threads)
+        self.top = self.max_threads + max(0, max_over)     # the most threads a trial may go to
         self.slow_factor, self.patience, self.probe_every, self.min_samples = slow_factor, patience, probe_every, min_samples
         self.min_gain = min_gain
         self._set = set_threads
@@ -58,12 +69,16 @@ class ThreadController:
         self._slow_run = 0
         self._since_change = 0
         self._probing = False
-        self._trial: list[float] | None = None         # slowdowns at the lower count, while judging a drop
+        self._trial: list[float] | None = None         # slowdowns at the trial count, while judging one
         self._control: list[float] | None = None       # then slowdowns back at the count before
+        self._before = 0                               # the count before the trial
+        self._up = max_over > 0                        # the next trial's direction
+        self._probe_from = 0                           # the count a probe returns to when its step is slow
         self._low = 0.0                                # the trial's median slowdown
         self._hold = 0                                 # steps left before another drop may be tried
-        self.reductions = 0                            # how often contention lowered the count (for logs/tests)
-        self.reverts = 0                               # drops undone because fewer threads were no faster
+        self.reductions = 0                            # trials of one thread fewer (for logs/tests)
+        self.raises = 0                                # trials of one thread more
+        self.reverts = 0                               # trials undone because the count was no faster
 
     @staticmethod
     def bucket(num_tokens: int) -> int:
@@ -81,28 +96,31 @@ class ThreadController:
         slow = ratio is not None and ratio > self.slow_factor
         self._since_change += 1
         self._hold = max(0, self._hold - 1)
-        if self._trial is not None:                # judging a drop: the lower count's steps first
+        if self._trial is not None:                # judging a trial: the trial count's steps first
             if ratio is not None:
                 self._trial.append(ratio)
             if len(self._trial) >= self.patience:
                 self._low, self._trial, self._control = statistics.median(self._trial), None, []
-                self._change(self.threads + 1)      # then the count before, under the same contention
+                cand = self.threads
+                self._change(self._before)          # then the count before, under the same contention
+                self._before = cand
             return self.threads
         if self._control is not None:
             if ratio is not None:
                 self._control.append(ratio)
             if len(self._control) >= self.patience:
                 if self._low < (1 - self.min_gain) * statistics.median(self._control):
-                    self._change(self.threads - 1)  # the lower count was faster: keep it
+                    self._change(self._before)      # the trial count was faster: keep it
                 else:
-                    self._hold = self.probe_every  # no better: stay, and hold off the next drop a while
+                    self._hold = self.probe_every  # no better: stay, and hold off the next trial a while
                     self.reverts += 1
+                    self._up = not self._up if self.top > self.max_threads else False
                 self._control = None
             return self.threads
-        if self._probing:                          # the step just run had one thread more than before
+        if self._probing:                          # the step just run had the probe's count
             self._probing = False
             if slow:
-                self._change(self.threads - 1)     # still contended: back down, probe again later
+                self._change(self._probe_from)     # still contended: back, probe again later
             return self.threads
         if self.threads == self.max_threads and not slow:
             self._quiet.setdefault(b, deque(maxlen=self._window)).append(seconds)
@@ -111,19 +129,27 @@ class ThreadController:
         if slow and self._cores_free is not None and self.threads > 1 and self._since_change >= self.patience:
             free = self._cores_free()
             crowded = free is not None and free < self.threads - 1     # /proc/stat: read for slow steps only
-        if (self._slow_run >= self.patience or crowded) and self.threads > 1 and self._hold == 0:
-            self._change(self.threads - 1)
-            self._trial = []
-            self.reductions += 1
+        contended = self._slow_run >= self.patience or crowded
+        up = self._up and self.threads < self.top
+        if contended and self._hold == 0 and (up or self.threads > 1):
+            self._before, self._trial = self.threads, []
+            if up:
+                self.raises += 1
+            else:
+                self.reductions += 1
+            self._change(self.threads + 1 if up else self.threads - 1)
+        elif self.threads > self.max_threads and self._since_change >= self.probe_every:
+            self._probe_from, self._probing = self.threads, True
+            self._change(self.max_threads)
         elif self.threads < self.max_threads and self._since_change >= self.probe_every:
             free = self._cores_free() if self._cores_free is not None else None
             if free is None or free >= 1:
+                self._probe_from, self._probing = self.threads, True
                 self._change(self.threads + 1)
-                self._probing = True
         return self.threads
 
     def _change(self, n: int) -> None:
-        self.threads = max(1, min(self.max_threads, n))
+        self.threads = max(1, min(self.top, n))
         self._set(self.threads)
         self._slow_run = 0
         self._since_change = 0

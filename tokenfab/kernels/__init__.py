@@ -85,6 +85,7 @@ _SIGNATURES = {
     "tf_decode_layers": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I, _F],
     "tf_pool_stats": [_P],
     "tf_pool_config": [_I, _I, _I],
+    "tf_pool_threads": [_I],
 }
 QGEMM_MAX_ROWS = 16     # rows tf_qgemm takes (8 per pass over W, TF_MAX_ROWS in cpu.c); 2-core VM: beats the
                         # float32 GEMM by 25-37 % at 9-16 decode rows, even at 24, behind at 32
@@ -368,6 +369,13 @@ def pool_config(enabled_: bool = True, delay_us: int = 0, spin_ns: int = -1) -> 
     make every worker chunk sleep `delay_us` (a descheduled worker, on demand)."""
     if enabled():
         _lib.tf_pool_config(int(enabled_), int(delay_us), int(spin_ns))
+
+
+def pool_threads(n: int) -> None:
+    """The pool's team size when it should differ from torch's thread count (more threads than cores, for the
+    thread controller under contention; its workers then sleep as soon as a job ends); 0 follows torch."""
+    if enabled():
+        _lib.tf_pool_threads(int(n))
 
 
 def _layout_call(fn, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None,

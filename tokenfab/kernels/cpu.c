@@ -76,6 +76,7 @@ static struct {
     _Atomic uint32_t seq;             /* odd while `job` is being written */
     _Atomic uint64_t team;            /* tf_team: gen << 32 | threads in it << 1 | closed */
     _Atomic int sleepers;
+    _Atomic uint32_t size;            /* the last job's team size: workers beyond it sleep on this word */
     int nworkers;
     tf_pool_job job;
     struct {                          /* per chunk, a cache line each: gen << 2 | state (TF_ST_*) */
@@ -85,6 +86,7 @@ static struct {
     _Atomic int64_t worker_chunks __attribute__((aligned(64))), taken_over, discarded;
     _Atomic int64_t delay_us;         /* tests: a worker sleeps this long inside every chunk */
     _Atomic int64_t spin_ns;          /* how long a worker spins after a job before it sleeps */
+    int threads;                      /* > 0: the team size (tf_pool_threads), else omp_get_max_threads() */
     int disabled;
 } tf_pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_ns = TF_POOL_SPIN_NS};
 
@@ -145,6 +147,8 @@ static void *tf_pool_worker(void *arg) {
     float buf[TF_POOL_ROWS * TF_POOL_CHUNK_COLS];
     uint32_t seen = atomic_load(&tf_pool.gen);
     for (;;) {
+        for (uint32_t n; id >= (int)(n = atomic_load_explicit(&tf_pool.size, memory_order_acquire));)
+            tf_futex_wait(&tf_pool.size, n);          /* not in the team: no spinning beside it */
         uint32_t g;
         int64_t t0 = tf_now_ns();
         for (int i = 0; (g = atomic_load_explicit(&tf_pool.gen, memory_order_acquire)) == seen; i++) {
@@ -235,6 +239,11 @@ static void *tf_scratch(size_t bytes) {
 
 /* Post a job (the caller holds the lock): write it under the sequence count, open its claims, wake the
  * workers. Returns its generation. */
+/* The team size for a call from outside any OpenMP region. */
+static inline int tf_pool_team(void) {
+    return tf_pool.threads > 0 ? tf_pool.threads : omp_get_max_threads();
+}
+
 static uint32_t tf_pool_post(int nth, tf_cols_fn fn, const void *args, size_t args_size, int64_t M, int64_t N,
                              int64_t cols, int64_t nchunks, float *y, void (*team)(void *), void *ctx) {
     tf_pool_start(nth - 1);
@@ -248,6 +257,10 @@ static uint32_t tf_pool_post(int nth, tf_cols_fn fn, const void *args, size_t ar
     atomic_fetch_add_explicit(&tf_pool.seq, 1, memory_order_release);        /* even: valid */
     atomic_store_explicit(&tf_pool.team, (uint64_t)g << 32, memory_order_release);
     atomic_store_explicit(&tf_pool.gen, g, memory_order_release);
+    if (atomic_load_explicit(&tf_pool.size, memory_order_relaxed) != (uint32_t)nth) {
+        atomic_store_explicit(&tf_pool.size, (uint32_t)nth, memory_order_release);
+        tf_futex_wake(&tf_pool.size);
+    }
     if (atomic_load(&tf_pool.sleepers)) tf_futex_wake(&tf_pool.gen);
     return g;
 }
@@ -272,7 +285,7 @@ static __attribute__((unused)) void tf_team(void (*body)(void *), void *ctx, int
 
 /* y[r * N + n] for r < M, n < N, from fn over column ranges (see above). */
 static void tf_cols(tf_cols_fn fn, const void *args, size_t args_size, int64_t M, int64_t N, float *y) {
-    const int nth = omp_in_parallel() ? 1 : omp_get_max_threads();
+    const int nth = omp_in_parallel() ? 1 : tf_pool_team();
     int64_t cols = (N + 4 * nth - 1) / (4 * nth);              /* ~4 chunks per thread */
     cols = cols < 16 ? 16 : cols > TF_POOL_CHUNK_COLS ? TF_POOL_CHUNK_COLS : (cols + 15) & ~(int64_t)15;
     if (cols * TF_POOL_CHUNKS < N) cols = (N + TF_POOL_CHUNKS - 1) / TF_POOL_CHUNKS;
@@ -327,6 +340,13 @@ void tf_pool_stats(int64_t *out) {
     out[1] = atomic_load(&tf_pool.taken_over);
     out[2] = atomic_load(&tf_pool.discarded);
     out[3] = tf_pool.nworkers;
+}
+
+/* The pool's team size, more threads than cores included (the engine's thread controller under contention:
+ * engine/threads.py); 0: omp_get_max_threads(). Above the cores its workers sleep as soon as a job ends. */
+void tf_pool_threads(int64_t n) {
+    tf_pool.threads = n > 0 ? (int)(n < TF_POOL_MAX + 1 ? n : TF_POOL_MAX + 1) : 0;
+    atomic_store(&tf_pool.spin_ns, n > 0 ? 0 : TF_POOL_SPIN_NS);
 }
 
 void tf_pool_config(int64_t enabled, int64_t delay_us, int64_t spin_ns) {
@@ -933,7 +953,7 @@ static void tf_paged_attention(float *out, const float *q, int64_t q_stride, con
         const int64_t n = window > 0 && ctx_lens[b] > window ? window : ctx_lens[b];
         max_len = n > max_len ? n : max_len;
     }
-    const int nth = B * KVH >= 2 && !omp_in_parallel() ? omp_get_max_threads() : 1;
+    const int nth = B * KVH >= 2 && !omp_in_parallel() ? tf_pool_team() : 1;
     tf_attn_job J = {out, q, k_cache, v_cache, block_tables, ctx_lens, q_stride, bt_stride, B, H, KVH, D, bs, window,
                      max_len, B >= 4 * nth ? KVH : 1, scale, 0};
     tf_team(half ? tf_paged_attention_f16 : tf_paged_attention_f32, &J, nth);

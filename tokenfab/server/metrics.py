@@ -32,8 +32,8 @@ _GAUGES = [
     ("num_requests_running", "Sequences in the running batch.", "num_running"),
     ("num_requests_waiting", "Sequences waiting to be scheduled.", "num_waiting"),
     ("kv_cache_usage_perc", "Share of KV cache blocks in use (1 = full).", "kv_cache_usage"),
-    ("engine_num_threads", "torch/OpenMP threads the engine's steps run on (lowered while other processes "
-     "take the cores, docs/serving.md).", "num_threads"),
+    ("engine_num_threads", "Threads the engine's steps run on (changed while other processes take the cores; "
+     "above torch's count only for the C kernels' pool, docs/serving.md).", "num_threads"),
 ]
 _COUNTERS = [
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
