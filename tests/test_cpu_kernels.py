@@ -255,12 +255,14 @@ def test_the_gemm_pool_gives_the_same_bits_when_its_workers_are_descheduled(dela
                     assert torch.equal(layer(x), ref)
         after = kernels.pool_stats()
     finally:
-        kernels.pool_config(True, 0)
+        kernels.pool_config(False, 0)            # the default (off: cpu.c's tf_pool)
         torch.set_num_threads(threads)
     assert after["workers"] >= 1
     if delay_us:
         time.sleep(0.01)                         # the last late workers wake, and must not write anywhere
+        kernels.pool_config(True, 0)
         assert all(torch.equal(layer(x), ref) for layer, w in zip(layers, want) for x, ref in zip(xs, w))
+        kernels.pool_config(False, 0)
         assert after["taken_over"] > before["taken_over"] and kernels.pool_stats()["discarded"] > before["discarded"]
     elif (os.cpu_count() or 1) >= 2:             # on one core the caller may well take every chunk itself
         assert after["worker_chunks"] > before["worker_chunks"]

@@ -246,7 +246,8 @@ class LLMEngine:
         # count it started with, the C kernels' own pool (cpu.c's tf_cols) up to twice that
         threads = torch.get_num_threads()
         self.thread_controller = (ThreadController(threads, cores_free=free_cores,
-                                                   max_over=threads if kernels.enabled() else 0,
+                                                   max_over=0,   # threads above the cores need cpu.c's
+                                                   # pool, off by default until its 8-stream regression is fixed
                                                    set_threads=functools.partial(_set_threads, threads))
                                   if config.adaptive_threads and config.device == "cpu" and threads > 1 else None)
 

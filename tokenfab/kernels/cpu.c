@@ -30,10 +30,12 @@
  * A worker computes its chunk into its own buffer and publishes it with a compare-and-swap on the chunk's
  * state (tagged with the job's generation), so a worker that comes back after its chunk was taken over,
  * or after the job ended, throws its result away. What a late worker can still read: the job's copy it
- * made (validated by a sequence count), the weights, and the caller's scratch (tf_scratch, never freed).
+ * made (validated by a sequence count), the caller's scratch (tf_scratch, never freed) and the weights
+ * (a model freed within the few milliseconds a preempted worker is away would be read after its free).
  * Outputs are bit-identical whoever computes a chunk (the same function on the same inputs).
- * Workers are pthreads, started on first use, one fewer than omp_get_max_threads() (torch.set_num_threads
- * and the engine's thread controller set it); they spin ~0.2 ms after a job, then sleep on a futex. A call
+ * Workers are pthreads, started on first use, one fewer than the team: omp_get_max_threads() (torch's
+ * count), or tf_pool_threads' (the thread controller's, above the cores under contention). They spin
+ * ~0.2 ms after a job, then sleep on a futex (at once, above the cores); those outside the team sleep. A call
  * made while another thread holds the pool, from inside an OpenMP region, or with one thread, runs the
  * chunks in the calling thread's OpenMP team as before.
  * tf_team runs the decode attention's task loop the same way, minus the takeover: each thread of the team
@@ -49,6 +51,8 @@
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#else
+#include <sched.h>
 #endif
 
 #define TF_UP64(n) (((n) + 63) & ~(size_t)63)
@@ -88,7 +92,8 @@ static struct {
     _Atomic int64_t spin_ns;          /* how long a worker spins after a job before it sleeps */
     int threads;                      /* > 0: the team size (tf_pool_threads), else omp_get_max_threads() */
     int disabled;
-} tf_pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_ns = TF_POOL_SPIN_NS};
+} tf_pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_ns = TF_POOL_SPIN_NS,
+             .disabled = 1};   /* off by default: 8 streams ran at 0.62x OpenMP's speed over HTTP (session 18) */
 
 enum { TF_ST_CLAIMED = 0, TF_ST_WRITING = 1, TF_ST_DONE = 2, TF_ST_TAKEN = 3 };
 #define TF_ST(g, state) (((uint64_t)(g) << 2) | (state))
