@@ -243,7 +243,7 @@ class LLMEngine:
         self.before_execute = None
         self.errors: dict[str, str] = {}      # request id -> why it failed, until its output is returned
         # adapts the thread count while other processes take cores (engine/threads.py): torch's up to the
-        # count it started with, the C kernels' own pool (cpu.c's tf_cols) up to twice that
+        # count it started with (above it only cpu.c's pool would run, and that is off by default)
         threads = torch.get_num_threads()
         self.thread_controller = (ThreadController(threads, cores_free=free_cores,
                                                    max_over=0,   # threads above the cores need cpu.c's

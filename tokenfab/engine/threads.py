@@ -20,9 +20,10 @@ is no longer slow, so the count comes back when the contention ends. It only eve
 
 More threads than cores (`max_over` counts above `max_threads`): with the decode GEMMs and attention on
 cpu.c's own pool, which never waits for a descheduled thread, extra threads are extra claims on a fair
-scheduler's time and no longer extra barriers to wait at. On the 2-core EPYC beside two busy loops, 3-4
-threads kept 0.45-0.58 of the quiet speed where 2 kept 0.38 and 1 kept 0.42 (a fair share of 2 cores
-among 4 runnable threads caps 2 at 0.5). So a contention trial goes up first when `max_over` allows:
+scheduler's time and no longer extra barriers to wait at. On the 2-core EPYC beside two busy loops (6
+rounds, medians), 3 threads kept 0.47 of the quiet speed, 4 kept 0.42, 2 kept 0.38 and 1 kept 0.44 (a
+fair share of 2 cores among 4 runnable threads caps 2 at 0.5). So a contention trial goes up first when
+`max_over` allows (the engine passes 0 while the pool is off by default):
 the same trial and judgement, one thread more; a rejected trial turns the next one the other way. Above
 `max_threads` it probes `max_threads` every `probe_every` steps and stays there when that step is not
 slow (the contention has ended and oversubscription only costs). `set_threads` gets the count; the

@@ -242,13 +242,13 @@ static void *tf_scratch(size_t bytes) {
     return p;
 }
 
-/* Post a job (the caller holds the lock): write it under the sequence count, open its claims, wake the
- * workers. Returns its generation. */
 /* The team size for a call from outside any OpenMP region. */
 static inline int tf_pool_team(void) {
     return tf_pool.threads > 0 ? tf_pool.threads : omp_get_max_threads();
 }
 
+/* Post a job (the caller holds the lock): write it under the sequence count, open its claims, wake the
+ * workers. Returns its generation. */
 static uint32_t tf_pool_post(int nth, tf_cols_fn fn, const void *args, size_t args_size, int64_t M, int64_t N,
                              int64_t cols, int64_t nchunks, float *y, void (*team)(void *), void *ctx) {
     tf_pool_start(nth - 1);
