@@ -231,8 +231,9 @@ def test_quantized_gemm_rows_are_independent_of_how_many_run_together(make):
 
 @pytest.mark.parametrize("delay_us", [0, 300])
 def test_the_gemm_pool_gives_the_same_bits_when_its_workers_are_descheduled(delay_us):
-    """tf_qgemm's threads (tf_cols in cpu.c): the calling thread takes over any chunk a worker has not
-    finished in twice its own chunk time. With every worker chunk made to sleep 300 us (a worker the OS
+    """tf_qgemm's threads (tf_cols in cpu.c): each thread claims chunks, its own run first, then what the
+    others have not claimed; the calling thread takes over any chunk a worker has not finished in twice its
+    own chunk time. With every worker chunk made to sleep 300 us (a worker the OS
     descheduled), the caller takes chunks over and the late workers' results must be thrown away, also
     once later calls (another layer, other buffers) are running: every output equals the OpenMP path's
     bit for bit."""
@@ -255,14 +256,12 @@ def test_the_gemm_pool_gives_the_same_bits_when_its_workers_are_descheduled(dela
                     assert torch.equal(layer(x), ref)
         after = kernels.pool_stats()
     finally:
-        kernels.pool_config(False, 0)            # the default (off: cpu.c's tf_pool)
+        kernels.pool_config(True, 0)             # the default (on)
         torch.set_num_threads(threads)
     assert after["workers"] >= 1
     if delay_us:
         time.sleep(0.01)                         # the last late workers wake, and must not write anywhere
-        kernels.pool_config(True, 0)
         assert all(torch.equal(layer(x), ref) for layer, w in zip(layers, want) for x, ref in zip(xs, w))
-        kernels.pool_config(False, 0)
         assert after["taken_over"] > before["taken_over"] and kernels.pool_stats()["discarded"] > before["discarded"]
     elif (os.cpu_count() or 1) >= 2:             # on one core the caller may well take every chunk itself
         assert after["worker_chunks"] > before["worker_chunks"]

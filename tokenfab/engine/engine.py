@@ -243,11 +243,10 @@ class LLMEngine:
         self.before_execute = None
         self.errors: dict[str, str] = {}      # request id -> why it failed, until its output is returned
         # adapts the thread count while other processes take cores (engine/threads.py): torch's up to the
-        # count it started with (above it only cpu.c's pool would run, and that is off by default)
+        # count it started with, the C kernels' own pool (cpu.c's tf_cols) up to twice that
         threads = torch.get_num_threads()
         self.thread_controller = (ThreadController(threads, cores_free=free_cores,
-                                                   max_over=0,   # threads above the cores need cpu.c's
-                                                   # pool, off by default until its 8-stream regression is fixed
+                                                   max_over=threads if kernels.enabled() else 0,
                                                    set_threads=functools.partial(_set_threads, threads))
                                   if config.adaptive_threads and config.device == "cpu" and threads > 1 else None)
 

@@ -55,35 +55,45 @@ def free_cores() -> int | None:
 
 
 class ThreadController:
-    def __init__(self, max_threads: int, *, slow_factor: float = 2.5, patience: int = 3, window: int = 31,
-                 probe_every: int = 64, min_samples: int = 8, min_gain: float = 0.1,
+    def __init__(self, max_threads: int, *, slow_factor: float = 1.6, patience: int = 3, judge: int = 8,
+                 block: int = 2, window: int = 31, probe_every: int = 64, min_samples: int = 8,
+                 min_gain: float = 0.1,
                  set_threads: Callable[[int], None] = torch.set_num_threads,
                  cores_free: Callable[[], int | None] | None = None, max_over: int = 0):
         self.max_threads = self.threads = max(1, max_threads)
         self.top = self.max_threads + max(0, max_over)     # the most threads a trial may go to
-        self.slow_factor, self.patience, self.probe_every, self.min_samples = slow_factor, patience, probe_every, min_samples
-        self.min_gain = min_gain
+        self.slow_factor, self.patience, self.judge, self.block = slow_factor, patience, judge, max(1, block)
+        self.probe_every, self.min_samples, self.min_gain = probe_every, min_samples, min_gain
         self._set = set_threads
         self._cores_free = cores_free
         self._quiet: dict[int, deque[float]] = {}      # size bucket -> recent quiet step times at max threads
         self._window = window
         self._slow_run = 0
         self._since_change = 0
-        self._probing = False
-        self._trial: list[float] | None = None         # slowdowns at the trial count, while judging one
-        self._control: list[float] | None = None       # then slowdowns back at the count before
-        self._before = 0                               # the count before the trial
-        self._up = max_over > 0                        # the next trial's direction
-        self._probe_from = 0                           # the count a probe returns to when its step is slow
-        self._low = 0.0                                # the trial's median slowdown
-        self._hold = 0                                 # steps left before another drop may be tried
-        self.reductions = 0                            # trials of one thread fewer (for logs/tests)
-        self.raises = 0                                # trials of one thread more
-        self.reverts = 0                               # trials undone because the count was no faster
+        self._trial: dict[int, list[float]] | None = None   # slowdowns at each count a trial measures
+        self._turn = 0                                 # steps left at the trial's current count
+        self._probe: list[float] | None = None         # slowdowns at a probe's count, while it lasts
+        self._probe_from = 0                           # the count a probe returns to when still slow
+        self._before = 0                               # the count a trial started from
+        self._hold = 0                                 # steps left before another trial may start
+        self.trials = 0                                # for logs, tests and benchmarks/contention.py
+        self.reductions = 0                            # trials that settled below max_threads
+        self.raises = 0                                # trials that settled above it
+        self.reverts = 0                               # trials that kept the count before
 
     @staticmethod
     def bucket(num_tokens: int) -> int:
         return max(1, num_tokens - 1).bit_length()
+
+    def candidates(self) -> list[int]:
+        """The counts a trial measures, the current one first (the count to beat). With room above the
+        cores (cpu.c's pool runs the step): the cores and that limit; fewer threads did not help there
+        (EPYC, 2 cores, two busy loops: 2 threads ~0.36 of quiet, 4 threads ~0.58; 1 thread alternated
+        between a core of its own and half of one as the OS moved the busy loops, ~0.42 on average, and
+        a trial's few steps could not tell which). Without: the cores, half of them and one."""
+        counts = [self.max_threads, self.top] if self.top > self.max_threads else \
+            [self.max_threads, max(1, self.max_threads // 2), 1]
+        return list(dict.fromkeys([self.threads] + counts))
 
     def _baseline(self, b: int) -> float | None:
         q = self._quiet.get(b)
@@ -97,57 +107,65 @@ class ThreadController:
         slow = ratio is not None and ratio > self.slow_factor
         self._since_change += 1
         self._hold = max(0, self._hold - 1)
-        if self._trial is not None:                # judging a trial: the trial count's steps first
+        if self._trial is not None:                # `block` steps at each candidate count, in turn
             if ratio is not None:
-                self._trial.append(ratio)
-            if len(self._trial) >= self.patience:
-                self._low, self._trial, self._control = statistics.median(self._trial), None, []
-                cand = self.threads
-                self._change(self._before)          # then the count before, under the same contention
-                self._before = cand
+                self._trial[self.threads].append(ratio)
+                self._turn -= 1
+            if self._turn <= 0:
+                self._next_candidate()
             return self.threads
-        if self._control is not None:
+        if self._probe is not None:                # `patience` steps at max_threads
             if ratio is not None:
-                self._control.append(ratio)
-            if len(self._control) >= self.patience:
-                if self._low < (1 - self.min_gain) * statistics.median(self._control):
-                    self._change(self._before)      # the trial count was faster: keep it
-                else:
-                    self._hold = self.probe_every  # no better: stay, and hold off the next trial a while
-                    self.reverts += 1
-                    self._up = not self._up if self.top > self.max_threads else False
-                self._control = None
-            return self.threads
-        if self._probing:                          # the step just run had the probe's count
-            self._probing = False
-            if slow:
-                self._change(self._probe_from)     # still contended: back, probe again later
+                self._probe.append(ratio)
+            if len(self._probe) >= self.patience:
+                if statistics.median(self._probe) > self.slow_factor:
+                    self._change(self._probe_from)  # still contended: back, probe again later
+                self._probe = None
             return self.threads
         if self.threads == self.max_threads and not slow:
             self._quiet.setdefault(b, deque(maxlen=self._window)).append(seconds)
         self._slow_run = self._slow_run + 1 if slow else 0
+        if self.threads != self.max_threads:
+            if self._since_change >= self.probe_every:        # has the contention ended?
+                free = self._cores_free() if self._cores_free is not None and self.threads < self.max_threads \
+                    else None
+                if free is None or free >= 1:
+                    self._probe_from, self._probe = self.threads, []
+                    self._change(self.max_threads)
+            return self.threads
         crowded = False
         if slow and self._cores_free is not None and self.threads > 1 and self._since_change >= self.patience:
             free = self._cores_free()
             crowded = free is not None and free < self.threads - 1     # /proc/stat: read for slow steps only
-        contended = self._slow_run >= self.patience or crowded
-        up = self._up and self.threads < self.top
-        if contended and self._hold == 0 and (up or self.threads > 1):
-            self._before, self._trial = self.threads, []
-            if up:
-                self.raises += 1
-            else:
-                self.reductions += 1
-            self._change(self.threads + 1 if up else self.threads - 1)
-        elif self.threads > self.max_threads and self._since_change >= self.probe_every:
-            self._probe_from, self._probing = self.threads, True
-            self._change(self.max_threads)
-        elif self.threads < self.max_threads and self._since_change >= self.probe_every:
-            free = self._cores_free() if self._cores_free is not None else None
-            if free is None or free >= 1:
-                self._probe_from, self._probing = self.threads, True
-                self._change(self.threads + 1)
+        if (self._slow_run >= self.patience or crowded) and self._hold == 0 and len(self.candidates()) > 1:
+            self.trials += 1
+            self._trial = {n: [] for n in self.candidates()}   # the count before first, measured again
+            self._before, self._turn = self.threads, self.block
         return self.threads
+
+    def _next_candidate(self) -> None:
+        """The trial's next turn, round robin: slow phases of the machine (the OS moves the busy processes
+        between cores every ~0.1-0.2 s) then fall on every count alike. Once each count has `judge`
+        steps, the fastest on average (less its worst step) is kept, unless the preferred count is within
+        `min_gain` of it: the count before, or with room above the cores, that limit (in steady state it
+        beat the cores by 1.6x, more than a trial's few steps resolve; see candidates)."""
+        counts = list(self._trial)
+        if any(len(r) < self.judge for r in self._trial.values()):
+            nxt = counts[(counts.index(self.threads) + 1) % len(counts)]
+            self._turn = self.block
+            if nxt != self.threads:
+                self._change(nxt)
+            return
+        cost = {n: (sum(r) - max(r)) / (len(r) - 1) if len(r) > 1 else r[0] for n, r in self._trial.items()}
+        best = min(cost, key=cost.get)
+        prefer = self.top if self.top > self.max_threads else self._before
+        if cost[best] >= (1 - self.min_gain) * cost[prefer]:
+            best = prefer                          # not clearly faster than the preferred count: that one
+        self.reverts += best == self._before
+        self.reductions += best < self.max_threads
+        self.raises += best > self.max_threads
+        self._trial, self._hold = None, self.probe_every
+        self._change(best)
 
     def _change(self, n: int) -> None:
         self.threads = max(1, min(self.top, n))

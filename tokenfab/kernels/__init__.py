@@ -365,9 +365,9 @@ def pool_stats() -> dict[str, int]:
 
 
 def pool_config(enabled_: bool = True, delay_us: int = 0, spin_ns: int = -1) -> None:
-    """Tests and benchmarks: turn the pool on or off (off, the default: the GEMMs and decode attention run in
-    OpenMP's static schedule, as before it), make every worker chunk sleep `delay_us` (a descheduled worker,
-    on demand), and set how long a worker spins after a job (`spin_ns`; negative: unchanged)."""
+    """Tests and benchmarks: turn the pool on (the default) or off (the GEMMs and decode attention then run in
+    OpenMP's static schedule), make every worker chunk sleep `delay_us` (a descheduled worker, on demand),
+    and set how long a worker spins after a job (`spin_ns`; negative: unchanged)."""
     if enabled():
         _lib.tf_pool_config(int(enabled_), int(delay_us), int(spin_ns))
 

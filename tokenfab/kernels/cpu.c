@@ -21,9 +21,12 @@
  * An OpenMP region ends in a barrier: when another process takes a core and the OS deschedules one of
  * the engine's threads, every one of a step's ~150 regions waits for it to come back (issue 12: with two
  * busy loops beside a 2-core engine, 2 threads kept 0.36 of the quiet speed, below what 1 thread gets).
- * Here a job's outputs are cut into chunks, ~4 per thread, and each thread owns a contiguous run of them
- * (OpenMP's static split, so in quiet a thread touches no line another writes until the end). The calling
- * thread, done with its own, takes over what a worker has not claimed yet (from the end of its run) and any
+ * Here a job's outputs are cut into chunks, ~4 per thread, and each thread starts on a contiguous run of
+ * them (OpenMP's static split, so in quiet a thread touches no line another writes until the end). Every
+ * chunk is claimed with a compare-and-swap on its own state line. A thread done with its run claims what
+ * the others have not, from the ends of their runs, so a descheduled thread's work goes to whoever runs
+ * (with workers only taking from the caller's run and not the reverse, 3 threads beside two busy loops on
+ * the 2-core EPYC kept 0.47 of the quiet speed; stealing both ways, 0.49, and 4 threads 0.52-0.59). The caller, last, also takes over any
  * chunk a worker claimed but has not finished after a short wait (the caller's own chunk time, twice): a
  * descheduled worker costs at most one chunk done twice, never a time slice. (A shared claim counter
  * instead cost 25 % of a 1-row call on the 2-core EPYC: every claim moved its cache line across cores.)
@@ -92,8 +95,7 @@ static struct {
     _Atomic int64_t spin_ns;          /* how long a worker spins after a job before it sleeps */
     int threads;                      /* > 0: the team size (tf_pool_threads), else omp_get_max_threads() */
     int disabled;
-} tf_pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_ns = TF_POOL_SPIN_NS,
-             .disabled = 1};   /* off by default: 8 streams ran at 0.62x OpenMP's speed over HTTP (session 18) */
+} tf_pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_ns = TF_POOL_SPIN_NS};
 
 enum { TF_ST_CLAIMED = 0, TF_ST_WRITING = 1, TF_ST_DONE = 2, TF_ST_TAKEN = 3 };
 #define TF_ST(g, state) (((uint64_t)(g) << 2) | (state))
@@ -184,27 +186,37 @@ static void *tf_pool_worker(void *arg) {
             atomic_fetch_sub_explicit(&tf_pool.team, 2, memory_order_release);
             continue;
         }
-        int64_t first, last, done = 0;
-        tf_pool_run(&j, id, &first, &last);
-        for (int64_t c = first; c < last; c++) {
-            if (!tf_pool_claim(c, g, TF_ST_CLAIMED)) continue;      /* taken over, or the job has ended */
-            int64_t n0, n1;
-            tf_pool_range(&j, c, &n0, &n1);
-            j.fn(j.args, n0, n1, buf, n1 - n0);
-            const int64_t delay = atomic_load_explicit(&tf_pool.delay_us, memory_order_relaxed);
-            if (delay) {
-                struct timespec ts = {0, delay * 1000};
-                nanosleep(&ts, NULL);
+        int64_t done = 0;
+        /* its own run from the start, then the others' runs from their ends (the caller's included), each
+         * until a chunk someone else has claimed: a descheduled thread's work goes to whoever runs */
+        for (int64_t k = 0; k < j.nthreads; k++) {
+            const int64_t t = (id + k) % j.nthreads;
+            int64_t first, last;
+            tf_pool_run(&j, t, &first, &last);
+            for (int64_t i = 0; i < last - first; i++) {
+                const int64_t c = k ? last - 1 - i : first + i;
+                if (!tf_pool_claim(c, g, TF_ST_CLAIMED)) {
+                    if (k) break;                                 /* its owner is at work there */
+                    continue;                                     /* taken over, or the job has ended */
+                }
+                int64_t n0, n1;
+                tf_pool_range(&j, c, &n0, &n1);
+                j.fn(j.args, n0, n1, buf, n1 - n0);
+                const int64_t delay = atomic_load_explicit(&tf_pool.delay_us, memory_order_relaxed);
+                if (delay) {
+                    struct timespec ts = {0, delay * 1000};
+                    nanosleep(&ts, NULL);
+                }
+                uint64_t s = TF_ST(g, TF_ST_CLAIMED);      /* still ours: publish, else throw the result away */
+                if (!atomic_compare_exchange_strong(&tf_pool.st[c].v, &s, TF_ST(g, TF_ST_WRITING))) {
+                    atomic_fetch_add_explicit(&tf_pool.discarded, 1, memory_order_relaxed);
+                    continue;
+                }
+                for (int64_t r = 0; r < j.M; r++)
+                    memcpy(j.y + r * j.N + n0, buf + r * (n1 - n0), sizeof(float) * (size_t)(n1 - n0));
+                atomic_store_explicit(&tf_pool.st[c].v, TF_ST(g, TF_ST_DONE), memory_order_release);
+                done++;
             }
-            uint64_t s = TF_ST(g, TF_ST_CLAIMED);          /* still ours: publish, else throw the result away */
-            if (!atomic_compare_exchange_strong(&tf_pool.st[c].v, &s, TF_ST(g, TF_ST_WRITING))) {
-                atomic_fetch_add_explicit(&tf_pool.discarded, 1, memory_order_relaxed);
-                continue;
-            }
-            for (int64_t r = 0; r < j.M; r++)
-                memcpy(j.y + r * j.N + n0, buf + r * (n1 - n0), sizeof(float) * (size_t)(n1 - n0));
-            atomic_store_explicit(&tf_pool.st[c].v, TF_ST(g, TF_ST_DONE), memory_order_release);
-            done++;
         }
         if (done) atomic_fetch_add_explicit(&tf_pool.worker_chunks, done, memory_order_relaxed);
     }
@@ -308,19 +320,19 @@ static void tf_cols(tf_cols_fn fn, const void *args, size_t args_size, int64_t M
     const uint32_t g = tf_pool_post(nth, fn, args, args_size, M, N, cols, nchunks, y, NULL, NULL);
     int64_t first, last, chunk_ns = 20000;                     /* until one of its own chunks is timed */
     tf_pool_run(j, 0, &first, &last);
-    for (int64_t c = first; c < last; c++) {                  /* its own run: no one else claims these */
+    for (int64_t c = first; c < last; c++) {                  /* its own run, but for what a worker took */
+        if (!tf_pool_claim(c, g, TF_ST_TAKEN)) continue;
         int64_t n0, n1;
         tf_pool_range(j, c, &n0, &n1);
         const int64_t t0 = tf_now_ns();
         fn(args, n0, n1, y + n0, N);
         chunk_ns = tf_now_ns() - t0;
-        atomic_store_explicit(&tf_pool.st[c].v, TF_ST(g, TF_ST_DONE), memory_order_release);
     }
-    for (int64_t c = nchunks - 1; c >= last; c--) {           /* the workers' runs, from their ends */
+    for (int64_t c = nchunks - 1; c >= 0; c--) {              /* the rest, from the workers' ends */
         const int64_t t0 = tf_now_ns();
         for (int i = 0;; i++) {
             uint64_t s = atomic_load_explicit(&tf_pool.st[c].v, memory_order_acquire);
-            if (s == TF_ST(g, TF_ST_DONE)) break;
+            if (s == TF_ST(g, TF_ST_DONE) || s == TF_ST(g, TF_ST_TAKEN)) break;    /* a worker's, or its own */
             /* not claimed yet: take it; claimed: wait for it a while, then take it over */
             const int unclaimed = (uint32_t)(s >> 2) != g;
             if ((unclaimed || (s == TF_ST(g, TF_ST_CLAIMED) && (i & 15) == 15 &&
@@ -418,6 +430,12 @@ static inline float tf_softmax_row(float *pg, int64_t L) {
 }
 #endif
 
+/* The row-wise kernels (norms, rope, GLUs) go parallel only above this many floats: below it the work
+ * (~8 us) costs less than an OpenMP region, and the region's workers then spin ~1 ms (GOMP_SPINCOUNT) on
+ * the core the next GEMM's threads need. At T >= 8 rows, the old threshold, the one-call decode stack of
+ * 8 streams ran at half speed with tf_cols' pool on (its workers waited behind the spinning ones). */
+#define TF_PAR(floats) ((floats) >= (1 << 15))
+
 /* One row of tf_rms_norm (o may be xr): shared with tf_rms_norm_bf16, so both give the same floats. */
 static inline __attribute__((always_inline)) void tf_rms_norm_row(float *o, const float *xr, const float *w,
                                                                   int64_t D, float eps) {
@@ -431,7 +449,7 @@ static inline __attribute__((always_inline)) void tf_rms_norm_row(float *o, cons
 
 /* out[t] = w * x[t] / sqrt(mean(x[t]^2) + eps), as Hugging Face's LlamaRMSNorm in float32. */
 void tf_rms_norm(float *out, const float *x, const float *w, int64_t T, int64_t D, float eps) {
-#pragma omp parallel for if (T >= 8)
+#pragma omp parallel for if (TF_PAR(T * D))
     for (int64_t t = 0; t < T; t++) tf_rms_norm_row(out + t * D, x + t * D, w, D, eps);
 }
 
@@ -461,7 +479,7 @@ static inline void tf_narrow_row(uint16_t *o, const float *f, int64_t n) {
 
 /* tf_rms_norm writing bfloat16 rows (x and w float32). */
 void tf_rms_norm_bf16(uint16_t *out, const float *x, const float *w, int64_t T, int64_t D, float eps) {
-#pragma omp parallel if (T >= 8)
+#pragma omp parallel if (TF_PAR(T * D))
     {
         float *row = malloc(D * sizeof(float));
 #pragma omp for
@@ -481,7 +499,7 @@ void tf_rope_write_kv(float *qkv, int64_t T, int64_t row_stride, int64_t H, int6
                       const int64_t *positions, const float *cos_t, const float *sin_t,
                       float *k_cache, float *v_cache, const int64_t *slots) {
     const int64_t half = D / 2;
-#pragma omp parallel for if (T >= 8)
+#pragma omp parallel for if (TF_PAR(T * (H + KVH) * D))
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * row_stride;
         const float *c = cos_t + positions[t] * D, *s = sin_t + positions[t] * D;
@@ -1002,7 +1020,7 @@ void tf_rope_write_kv_f16(float *qkv, int64_t T, int64_t row_stride, int64_t H, 
                           uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots) {
 #if defined(__AVX2__) && defined(__FMA__)      /* F16C conversions; other builds never get float16 pools */
     const int64_t half = D / 2, n = KVH * D;
-#pragma omp parallel for if (T >= 8)
+#pragma omp parallel for if (TF_PAR(T * (H + KVH) * D))
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * row_stride;
         const float *c = cos_t + positions[t] * D, *s = sin_t + positions[t] * D;
@@ -1043,7 +1061,7 @@ void tf_decode_attention(float *out, const float *q, int64_t q_stride, const flo
  * bfloat16 (out_bf16, rounded as tf_rms_norm_bf16). The same bits as torch's x + y, then the norm kernel. */
 void tf_add_rms_norm(float *sum, void *out, const float *x, const void *y, const float *w, int64_t T, int64_t D,
                      float eps, int64_t y_bf16, int64_t out_bf16) {
-#pragma omp parallel if (T >= 8)
+#pragma omp parallel if (TF_PAR(T * D))
     {
         float *row = out_bf16 ? malloc(D * sizeof(float)) : NULL;
 #pragma omp for
@@ -1085,7 +1103,7 @@ static inline __attribute__((always_inline)) void tf_silu_mul_row(float *o, cons
 
 /* out[t] = silu(gate_up[t, :I]) * gate_up[t, I:], the SwiGLU activation of a fused gate/up row. */
 void tf_silu_mul(float *out, const float *gate_up, int64_t T, int64_t I) {
-#pragma omp parallel for if (T >= 8)
+#pragma omp parallel for if (TF_PAR(T * I))
     for (int64_t t = 0; t < T; t++) tf_silu_mul_row(out + t * I, gate_up + t * 2 * I, gate_up + t * 2 * I + I, I);
 }
 
@@ -1093,7 +1111,7 @@ void tf_silu_mul(float *out, const float *gate_up, int64_t T, int64_t I) {
  * projection. Widened exactly, computed as tf_silu_mul, rounded once (tf_to_bf16): the same bits as
  * .float(), tf_silu_mul, .to(torch.bfloat16), without the two float32 tensors. */
 void tf_silu_mul_bf16(uint16_t *out, const uint16_t *gate_up, int64_t T, int64_t I) {
-#pragma omp parallel if (T >= 8)
+#pragma omp parallel if (TF_PAR(T * I))
     {
         float *row = malloc(3 * I * sizeof(float));     /* gate | up | result */
 #pragma omp for
@@ -1164,7 +1182,7 @@ void tf_argmax_rows(int64_t *out, const float *x, int64_t M, int64_t N, int64_t 
  * bit-equal: the cpu backend runs this kernel in the layer path and the one-call stack alike. */
 void tf_gelu_tanh_mul(float *out, const float *gate_up, int64_t T, int64_t I) {
     const float k2 = 2.f * 0.7978845608028654f, kk = 0.044715f;     /* 2 sqrt(2 / pi), the cubic's factor */
-#pragma omp parallel for if (T >= 8)
+#pragma omp parallel for if (TF_PAR(T * I))
     for (int64_t t = 0; t < T; t++) {
         const float *g = gate_up + t * 2 * I, *u = g + I;
         float *o = out + t * I;
