@@ -7,27 +7,25 @@ server, and `tokenfab generate` from 59.6 to 7.7 tok/s, while `--num-threads 1` 
 
 `ThreadController` watches each step's time against the running median of quiet steps of the same
 size (token count, in powers of two). `patience` steps in a row slower than `slow_factor` x that
-median, or fewer free cores than threads (/proc/stat's running tasks against our affinity mask),
-mean contention: it drops one thread. Fewer threads do not always help (with short OpenMP spin waits
-two half-cores can beat one two-thirds core), so the drop is a trial: `patience` steps at the lower
-count, then `patience` at the count before, both as slowdowns against the quiet median and under the
-same contention, and unless the lower count is at least `min_gain` better it stays at the count
-before, held there for `probe_every` steps. (Comparing the trial with the slow steps that caused the
-drop instead favoured dropping: those are the worst steps at that count, picked for being slow.)
-While lowered it probes one thread more every `probe_every` steps and keeps it when the probe step
-is no longer slow, so the count comes back when the contention ends. It only ever calls
+median, or a slow step while /proc/stat shows fewer free cores than threads, mean contention, and start
+a trial: the candidate counts (see `candidates`), the current one first, take turns of `block` steps
+until each has `judge`, all as slowdowns against the quiet median under the same contention. Turns,
+not one count after another, because the machine has phases longer than a trial's steps (the OS moves
+the busy processes between cores every 0.1-0.2 s; one thread alternated between a core of its own and
+half of one). The fastest on average (less its worst step) is kept unless the preferred count is within
+`min_gain` of it, and no trial starts for `probe_every` steps. (Comparing with the slow steps that
+started the trial favoured change: those are the worst steps at that count, picked for being slow.)
+Away from `max_threads`, it probes `max_threads` for `patience` steps every `probe_every` steps and stays
+there when they are no longer slow, so the count comes back when the contention ends. It only ever calls
 `set_threads`; the engine calls `observe` once per step.
 
-More threads than cores (`max_over` counts above `max_threads`): with the decode GEMMs and attention on
-cpu.c's own pool, which never waits for a descheduled thread, extra threads are extra claims on a fair
-scheduler's time and no longer extra barriers to wait at. On the 2-core EPYC beside two busy loops (6
-rounds, medians), 3 threads kept 0.47 of the quiet speed, 4 kept 0.42, 2 kept 0.38 and 1 kept 0.44 (a
-fair share of 2 cores among 4 runnable threads caps 2 at 0.5). So a contention trial goes up first when
-`max_over` allows (the engine passes 0 while the pool is off by default):
-the same trial and judgement, one thread more; a rejected trial turns the next one the other way. Above
-`max_threads` it probes `max_threads` every `probe_every` steps and stays there when that step is not
-slow (the contention has ended and oversubscription only costs). `set_threads` gets the count; the
-engine gives torch at most `max_threads` and the pool the rest (tokenfab.kernels.pool_config).
+More threads than cores (`max_over` counts above `max_threads`; the engine passes the core count where
+the C kernels are built): with the decode GEMMs and attention on cpu.c's own pool, which never waits for
+a descheduled thread, extra threads are extra claims on the scheduler's time, not extra barriers to
+wait at. On the 2-core EPYC beside two busy loops, held for 128 tokens in steady state (session 19): 2
+threads kept ~0.36 of the quiet speed, 4 threads ~0.58 (busy loops in sessions of their own, each its
+own autogroup: 0.29 and 0.77). A trial then measures the cores and the limit and prefers the limit.
+Counts above the cores go to the pool only (the engine gives torch at most `max_threads`).
 """
 from __future__ import annotations
 
@@ -55,7 +53,7 @@ def free_cores() -> int | None:
 
 
 class ThreadController:
-    def __init__(self, max_threads: int, *, slow_factor: float = 1.6, patience: int = 3, judge: int = 8,
+    def __init__(self, max_threads: int, *, slow_factor: float = 2.0, patience: int = 3, judge: int = 8,
                  block: int = 2, window: int = 31, probe_every: int = 64, min_samples: int = 8,
                  min_gain: float = 0.1,
                  set_threads: Callable[[int], None] = torch.set_num_threads,

@@ -63,6 +63,12 @@
 #define TF_POOL_CHUNKS 1024       /* chunks per job, at most */
 #define TF_POOL_CHUNK_COLS 512    /* outputs per chunk, at most (a worker's buffer: TF_POOL_ROWS x this) */
 #define TF_POOL_ROWS 8            /* rows per tf_cols job, at most */
+/* The most rows (sequences) of a step whose GEMMs and decode attention run on the pool. Bigger steps run
+ * in OpenMP (most of their GEMMs do anyway: qmadd, oneDNN), because OpenMP's workers spin ~1 ms after
+ * each region on the core a pool worker needs: with pool jobs among them, 32 streams ran at 0.93x
+ * OpenMP's speed on the 2-core EPYC. */
+#define TF_POOL_MAX_ROWS 16
+static __thread int tf_pool_off;      /* this thread's calls bypass the pool (a big tf_qgemm's passes) */
 #define TF_POOL_SPIN_NS 200000    /* by default a worker spins this long after a job before it sleeps */
 
 typedef void (*tf_cols_fn)(const void *job, int64_t n0, int64_t n1, float *y, int64_t ys);
@@ -308,7 +314,7 @@ static void tf_cols(tf_cols_fn fn, const void *args, size_t args_size, int64_t M
     if (cols * TF_POOL_CHUNKS < N) cols = (N + TF_POOL_CHUNKS - 1) / TF_POOL_CHUNKS;
     const int64_t nchunks = (N + cols - 1) / cols;
     if (nth < 2 || N < 64 || cols > TF_POOL_CHUNK_COLS || args_size > sizeof tf_pool.job.args || tf_pool.disabled ||
-        M > TF_POOL_ROWS || pthread_mutex_trylock(&tf_pool.lock)) {
+        M > TF_POOL_ROWS || tf_pool_off || pthread_mutex_trylock(&tf_pool.lock)) {
 #pragma omp parallel for schedule(static) if (N >= 64)
         for (int64_t c = 0; c < nchunks; c++) {
             const int64_t n0 = c * cols, n1 = n0 + cols < N ? n0 + cols : N;
@@ -979,7 +985,13 @@ static void tf_paged_attention(float *out, const float *q, int64_t q_stride, con
     const int nth = B * KVH >= 2 && !omp_in_parallel() ? tf_pool_team() : 1;
     tf_attn_job J = {out, q, k_cache, v_cache, block_tables, ctx_lens, q_stride, bt_stride, B, H, KVH, D, bs, window,
                      max_len, B >= 4 * nth ? KVH : 1, scale, 0};
-    tf_team(half ? tf_paged_attention_f16 : tf_paged_attention_f32, &J, nth);
+    void (*body)(void *) = half ? tf_paged_attention_f16 : tf_paged_attention_f32;
+    if (B > TF_POOL_MAX_ROWS) {     /* a big batch: in OpenMP, as its GEMMs */
+#pragma omp parallel num_threads(nth) if (nth >= 2)
+        body(&J);
+        return;
+    }
+    tf_team(body, &J, nth);
 }
 #endif
 
@@ -2174,8 +2186,11 @@ void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
         return;
     }
     if (M > TF_MAX_ROWS) {   /* the register tile holds 8 rows: more rows, more passes over W */
+        const int off = tf_pool_off;
+        tf_pool_off = off || M > TF_POOL_MAX_ROWS;
         for (int64_t r0 = 0; r0 < M; r0 += TF_MAX_ROWS)
             tf_qgemm(y + r0 * N, x + r0 * K, M - r0 < TF_MAX_ROWS ? M - r0 : TF_MAX_ROWS, K, N, q, d, m, gs, bits);
+        tf_pool_off = off;
         return;
     }
     const int64_t G = K / gs, nb = K / 32, bpg = gs / 32;
