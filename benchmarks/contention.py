@@ -1,7 +1,7 @@
 """Single-stream decode under contention: tok/s with N busy processes beside the engine, divided by the
 quiet figure measured in the same run, with the adaptive thread count on and off.
 
-    python benchmarks/contention.py                 # 2 busy processes, 64 tokens, adaptive on and off
+    python benchmarks/contention.py                 # 2 busy processes, 256 tokens, adaptive on and off
     python benchmarks/contention.py --busy 1 --tokens 128
     python benchmarks/contention.py --url http://127.0.0.1:8080   # any OpenAI-compatible server, e.g. llama-server
 
@@ -116,7 +116,7 @@ def print_ceiling(files, args, quiet_full: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--busy", type=int, default=2, help="busy processes beside the engine (default 2)")
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--model", default=None)
     ap.add_argument("--url", default=None, help="measure this running OpenAI-compatible server instead")

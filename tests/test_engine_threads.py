@@ -124,6 +124,15 @@ def test_more_threads_than_cores_are_kept_unless_clearly_slower():
     assert seen[-1] == 2 or ctl.trials > ctl.reverts          # 2 threads, but while a trial measures 4
 
 
+def test_contended_steps_just_under_the_slow_factor_do_not_become_the_quiet_median():
+    ctl = ThreadController(2, patience=3, set_threads=lambda n: None)
+    _run(ctl, {2: 0.010}, 20)
+    _run(ctl, {2: 0.019}, 40)                      # 1.9x: not slow, and not quiet either
+    assert ctl._baseline(1) == 0.010
+    _run(ctl, {2: 0.012}, 40)                      # a slow drift (longer contexts) is followed
+    assert ctl._baseline(1) == 0.012 and ctl.trials == 0
+
+
 def test_without_room_above_the_cores_a_trial_measures_only_the_cores_and_fewer():
     ctl = ThreadController(8, max_over=0, set_threads=lambda n: None)
     assert ctl.candidates() == [8, 4, 1]

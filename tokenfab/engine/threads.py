@@ -6,7 +6,8 @@ slice for it: on the 2-core VM one stream fell from 103 to 20 tok/s with two bus
 server, and `tokenfab generate` from 59.6 to 7.7 tok/s, while `--num-threads 1` kept 27.2 (issue 12).
 
 `ThreadController` watches each step's time against the running median of quiet steps of the same
-size (token count, in powers of two). `patience` steps in a row slower than `slow_factor` x that
+size (token count, in powers of two; a step counts as quiet at `max_threads` within `quiet_factor` of
+that median, so the median follows slow drifts, such as longer contexts, but not contention). `patience` steps in a row slower than `slow_factor` x that
 median, or a slow step while /proc/stat shows fewer free cores than threads, mean contention, and start
 a trial: the candidate counts (see `candidates`), the current one first, take turns of `block` steps
 until each has `judge`, all as slowdowns against the quiet median under the same contention. Turns,
@@ -53,14 +54,15 @@ def free_cores() -> int | None:
 
 
 class ThreadController:
-    def __init__(self, max_threads: int, *, slow_factor: float = 2.0, patience: int = 3, judge: int = 8,
-                 block: int = 2, window: int = 31, probe_every: int = 64, min_samples: int = 8,
+    def __init__(self, max_threads: int, *, slow_factor: float = 2.0, quiet_factor: float = 1.3, patience: int = 3,
+                 judge: int = 8, block: int = 2, window: int = 31, probe_every: int = 64, min_samples: int = 8,
                  min_gain: float = 0.1,
                  set_threads: Callable[[int], None] = torch.set_num_threads,
                  cores_free: Callable[[], int | None] | None = None, max_over: int = 0):
         self.max_threads = self.threads = max(1, max_threads)
         self.top = self.max_threads + max(0, max_over)     # the most threads a trial may go to
-        self.slow_factor, self.patience, self.judge, self.block = slow_factor, patience, judge, max(1, block)
+        self.slow_factor, self.quiet_factor = slow_factor, quiet_factor
+        self.patience, self.judge, self.block = patience, judge, max(1, block)
         self.probe_every, self.min_samples, self.min_gain = probe_every, min_samples, min_gain
         self._set = set_threads
         self._cores_free = cores_free
@@ -120,7 +122,9 @@ class ThreadController:
                     self._change(self._probe_from)  # still contended: back, probe again later
                 self._probe = None
             return self.threads
-        if self.threads == self.max_threads and not slow:
+        if self.threads == self.max_threads and (ratio is None or ratio <= self.quiet_factor):
+            # near the median only: contended steps just under `slow_factor` (the OS's fast phases) had
+            # moved a server's quiet median from 5.7 to 11.3 ms within 60 steps, hiding the contention
             self._quiet.setdefault(b, deque(maxlen=self._window)).append(seconds)
         self._slow_run = self._slow_run + 1 if slow else 0
         if self.threads != self.max_threads:
