@@ -436,11 +436,12 @@ static inline float tf_softmax_row(float *pg, int64_t L) {
 }
 #endif
 
-/* The row-wise kernels (norms, rope, GLUs) go parallel only above this many floats: below it the work
- * (~8 us) costs less than an OpenMP region, and the region's workers then spin ~1 ms (GOMP_SPINCOUNT) on
- * the core the next GEMM's threads need. At T >= 8 rows, the old threshold, the one-call decode stack of
- * 8 streams ran at half speed with tf_cols' pool on (its workers waited behind the spinning ones). */
-#define TF_PAR(floats) ((floats) >= (1 << 15))
+/* The row-wise kernels (norms, rope, GLUs) go parallel only in steps of more than TF_POOL_MAX_ROWS rows,
+ * which run in OpenMP, and above 8k floats (a per-token q/k norm stays serial). In the smaller steps the
+ * pool runs the GEMMs, and an OpenMP region's workers, spinning ~1 ms after it (GOMP_SPINCOUNT), held the
+ * core the pool's worker needed: at T >= 8 rows, the old threshold, 8 streams ran at half speed. Serial
+ * at 32 rows too (below 32k floats), 32 streams ran at 0.91x. */
+#define TF_PAR(T, floats) ((T) > TF_POOL_MAX_ROWS && (floats) >= (1 << 13))
 
 /* One row of tf_rms_norm (o may be xr): shared with tf_rms_norm_bf16, so both give the same floats. */
 static inline __attribute__((always_inline)) void tf_rms_norm_row(float *o, const float *xr, const float *w,
@@ -455,7 +456,7 @@ static inline __attribute__((always_inline)) void tf_rms_norm_row(float *o, cons
 
 /* out[t] = w * x[t] / sqrt(mean(x[t]^2) + eps), as Hugging Face's LlamaRMSNorm in float32. */
 void tf_rms_norm(float *out, const float *x, const float *w, int64_t T, int64_t D, float eps) {
-#pragma omp parallel for if (TF_PAR(T * D))
+#pragma omp parallel for if (TF_PAR(T, T * D))
     for (int64_t t = 0; t < T; t++) tf_rms_norm_row(out + t * D, x + t * D, w, D, eps);
 }
 
@@ -485,7 +486,7 @@ static inline void tf_narrow_row(uint16_t *o, const float *f, int64_t n) {
 
 /* tf_rms_norm writing bfloat16 rows (x and w float32). */
 void tf_rms_norm_bf16(uint16_t *out, const float *x, const float *w, int64_t T, int64_t D, float eps) {
-#pragma omp parallel if (TF_PAR(T * D))
+#pragma omp parallel if (TF_PAR(T, T * D))
     {
         float *row = malloc(D * sizeof(float));
 #pragma omp for
@@ -505,7 +506,7 @@ void tf_rope_write_kv(float *qkv, int64_t T, int64_t row_stride, int64_t H, int6
                       const int64_t *positions, const float *cos_t, const float *sin_t,
                       float *k_cache, float *v_cache, const int64_t *slots) {
     const int64_t half = D / 2;
-#pragma omp parallel for if (TF_PAR(T * (H + KVH) * D))
+#pragma omp parallel for if (TF_PAR(T, T * (H + KVH) * D))
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * row_stride;
         const float *c = cos_t + positions[t] * D, *s = sin_t + positions[t] * D;
@@ -1032,7 +1033,7 @@ void tf_rope_write_kv_f16(float *qkv, int64_t T, int64_t row_stride, int64_t H, 
                           uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots) {
 #if defined(__AVX2__) && defined(__FMA__)      /* F16C conversions; other builds never get float16 pools */
     const int64_t half = D / 2, n = KVH * D;
-#pragma omp parallel for if (TF_PAR(T * (H + KVH) * D))
+#pragma omp parallel for if (TF_PAR(T, T * (H + KVH) * D))
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * row_stride;
         const float *c = cos_t + positions[t] * D, *s = sin_t + positions[t] * D;
@@ -1073,7 +1074,7 @@ void tf_decode_attention(float *out, const float *q, int64_t q_stride, const flo
  * bfloat16 (out_bf16, rounded as tf_rms_norm_bf16). The same bits as torch's x + y, then the norm kernel. */
 void tf_add_rms_norm(float *sum, void *out, const float *x, const void *y, const float *w, int64_t T, int64_t D,
                      float eps, int64_t y_bf16, int64_t out_bf16) {
-#pragma omp parallel if (TF_PAR(T * D))
+#pragma omp parallel if (TF_PAR(T, T * D))
     {
         float *row = out_bf16 ? malloc(D * sizeof(float)) : NULL;
 #pragma omp for
@@ -1115,7 +1116,7 @@ static inline __attribute__((always_inline)) void tf_silu_mul_row(float *o, cons
 
 /* out[t] = silu(gate_up[t, :I]) * gate_up[t, I:], the SwiGLU activation of a fused gate/up row. */
 void tf_silu_mul(float *out, const float *gate_up, int64_t T, int64_t I) {
-#pragma omp parallel for if (TF_PAR(T * I))
+#pragma omp parallel for if (TF_PAR(T, T * I))
     for (int64_t t = 0; t < T; t++) tf_silu_mul_row(out + t * I, gate_up + t * 2 * I, gate_up + t * 2 * I + I, I);
 }
 
@@ -1123,7 +1124,7 @@ void tf_silu_mul(float *out, const float *gate_up, int64_t T, int64_t I) {
  * projection. Widened exactly, computed as tf_silu_mul, rounded once (tf_to_bf16): the same bits as
  * .float(), tf_silu_mul, .to(torch.bfloat16), without the two float32 tensors. */
 void tf_silu_mul_bf16(uint16_t *out, const uint16_t *gate_up, int64_t T, int64_t I) {
-#pragma omp parallel if (TF_PAR(T * I))
+#pragma omp parallel if (TF_PAR(T, T * I))
     {
         float *row = malloc(3 * I * sizeof(float));     /* gate | up | result */
 #pragma omp for
@@ -1194,7 +1195,7 @@ void tf_argmax_rows(int64_t *out, const float *x, int64_t M, int64_t N, int64_t 
  * bit-equal: the cpu backend runs this kernel in the layer path and the one-call stack alike. */
 void tf_gelu_tanh_mul(float *out, const float *gate_up, int64_t T, int64_t I) {
     const float k2 = 2.f * 0.7978845608028654f, kk = 0.044715f;     /* 2 sqrt(2 / pi), the cubic's factor */
-#pragma omp parallel for if (TF_PAR(T * I))
+#pragma omp parallel for if (TF_PAR(T, T * I))
     for (int64_t t = 0; t < T; t++) {
         const float *g = gate_up + t * 2 * I, *u = g + I;
         float *o = out + t * I;
