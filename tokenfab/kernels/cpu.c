@@ -25,10 +25,10 @@
  * them (OpenMP's static split, so in quiet a thread touches no line another writes until the end). Every
  * chunk is claimed with a compare-and-swap on its own state line. A thread done with its run claims what
  * the others have not, from the ends of their runs, so a descheduled thread's work goes to whoever runs
- * (with workers only taking from the caller's run and not the reverse, 3 threads beside two busy loops on
- * the 2-core EPYC kept 0.47 of the quiet speed; stealing both ways, 0.49, and 4 threads 0.52-0.59). The caller, last, also takes over any
- * chunk a worker claimed but has not finished after a short wait (the caller's own chunk time, twice): a
- * descheduled worker costs at most one chunk done twice, never a time slice. (A shared claim counter
+ * (when only the caller took from the workers, 3 threads beside two busy loops on the 2-core EPYC kept
+ * 0.47 of the quiet speed; stealing both ways, 0.49, and 4 threads 0.52-0.59). The caller, last, also
+ * takes over any chunk a worker claimed but has not finished after a short wait (the caller's own chunk
+ * time, twice): a descheduled worker costs at most one chunk done twice, never a time slice. (A shared claim counter
  * instead cost 25 % of a 1-row call on the 2-core EPYC: every claim moved its cache line across cores.)
  * A worker computes its chunk into its own buffer and publishes it with a compare-and-swap on the chunk's
  * state (tagged with the job's generation), so a worker that comes back after its chunk was taken over,
@@ -289,9 +289,10 @@ static uint32_t tf_pool_post(int nth, tf_cols_fn fn, const void *args, size_t ar
 }
 
 /* Every thread of a team of `nth` (the caller and up to nth - 1 workers) runs body(ctx); body claims its
- * own work, so threads that never join change nothing. Returns when every thread that joined has left. */
-static __attribute__((unused)) void tf_team(void (*body)(void *), void *ctx, int nth) {
-    if (nth < 2 || tf_pool.disabled || omp_in_parallel() || pthread_mutex_trylock(&tf_pool.lock)) {
+ * own work, so threads that never join change nothing. Returns when every thread that joined has left.
+ * Not `pooled` (a step above TF_POOL_MAX_ROWS), or the pool unavailable: an OpenMP team instead. */
+static __attribute__((unused)) void tf_team(void (*body)(void *), void *ctx, int nth, int pooled) {
+    if (nth < 2 || !pooled || tf_pool.disabled || omp_in_parallel() || pthread_mutex_trylock(&tf_pool.lock)) {
 #pragma omp parallel num_threads(nth) if (nth >= 2)
         body(ctx);
         return;
@@ -439,8 +440,7 @@ static inline float tf_softmax_row(float *pg, int64_t L) {
 /* The row-wise kernels (norms, rope, GLUs) go parallel only in steps of more than TF_POOL_MAX_ROWS rows,
  * which run in OpenMP, and above 8k floats (a per-token q/k norm stays serial). In the smaller steps the
  * pool runs the GEMMs, and an OpenMP region's workers, spinning ~1 ms after it (GOMP_SPINCOUNT), held the
- * core the pool's worker needed: at T >= 8 rows, the old threshold, 8 streams ran at half speed. Serial
- * at 32 rows too (below 32k floats), 32 streams ran at 0.91x. */
+ * core the pool's worker needed: at T >= 8 rows, the old threshold, 8 streams ran at half speed. */
 #define TF_PAR(T, floats) ((T) > TF_POOL_MAX_ROWS && (floats) >= (1 << 13))
 
 /* One row of tf_rms_norm (o may be xr): shared with tf_rms_norm_bf16, so both give the same floats. */
@@ -986,13 +986,7 @@ static void tf_paged_attention(float *out, const float *q, int64_t q_stride, con
     const int nth = B * KVH >= 2 && !omp_in_parallel() ? tf_pool_team() : 1;
     tf_attn_job J = {out, q, k_cache, v_cache, block_tables, ctx_lens, q_stride, bt_stride, B, H, KVH, D, bs, window,
                      max_len, B >= 4 * nth ? KVH : 1, scale, 0};
-    void (*body)(void *) = half ? tf_paged_attention_f16 : tf_paged_attention_f32;
-    if (B > TF_POOL_MAX_ROWS) {     /* a big batch: in OpenMP, as its GEMMs */
-#pragma omp parallel num_threads(nth) if (nth >= 2)
-        body(&J);
-        return;
-    }
-    tf_team(body, &J, nth);
+    tf_team(half ? tf_paged_attention_f16 : tf_paged_attention_f32, &J, nth, B <= TF_POOL_MAX_ROWS);
 }
 #endif
 
