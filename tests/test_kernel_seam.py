@@ -128,6 +128,28 @@ def test_a_kernel_must_beat_the_preferred_one_by_a_margin_and_a_lossy_one_by_mor
     assert model[0].plan.names() == [(None, "qgemm")]           # it never sees more rows: no float copy
 
 
+def test_above_the_uniform_rows_kernels_sharing_a_layout_compete_on_time_alone(monkeypatch):
+    # qgemm and qmadd share one prepared layout: above UNIFORM_ROWS (16) the faster one runs even when it
+    # wins by less than TIE_MARGIN (a build that kept qgemm's four passes at 32 rows ran 32 streams ~10 %
+    # slower); up to 16 rows the margin still holds (one kernel for the uniform rows), and a kernel with a
+    # layout of its own (the float copy) still needs the margin everywhere
+    for name in ("qgemm", "qmadd"):
+        monkeypatch.setattr(seam.get(name), "supports", lambda layer: None)
+    model = _int4_model(1)
+    key = model[0].shape_key()
+    rows = (1, 16, 32, 64)
+    kw = dict(max_rows=64, head_max_rows=8, autotune=False, float_copy_budget=1 << 30)
+    tbl = _table(key, {"qgemm": [1.0, 4.0, 10.0, 20.0], "qmadd": [3.0, 3.8, 9.4, 12.0]}, rows)
+    select_kernels(model, table=tbl, **kw)
+    assert model[0].plan.names() == [(16, "qgemm"), (None, "qmadd")]
+    tbl = _table(key, {"qgemm": [1.0, 4.0, 10.0, 20.0], "qmadd": [3.0, 3.8, 10.4, 12.0]}, rows)
+    select_kernels(model, table=tbl, **kw)
+    assert model[0].plan.names() == [(32, "qgemm"), (None, "qmadd")]      # slower at 32: qgemm keeps it
+    tbl = _table(key, {"qgemm": [1.0, 4.0, 10.0, 20.0], "float": [3.0, 3.8, 9.4, 19.0]}, rows)
+    select_kernels(model, table=tbl, **kw)
+    assert model[0].plan.names() == [(None, "qgemm")]                      # 6 % faster, its own copy: not enough
+
+
 def test_registry_falls_back_when_the_measured_best_is_unavailable(monkeypatch):
     model = _int4_model(1)
     key = model[0].shape_key()

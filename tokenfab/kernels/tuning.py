@@ -248,19 +248,20 @@ class KernelTable:
                 continue
             t = {k: e["times"][k][i] for k in order if e["times"][k][i] is not None}
             if t:
-                pick = _pick([k for k in order if k in t], t, lossy)
+                free = r > max(stack_rows, UNIFORM_ROWS)
+                pick = _pick([k for k in order if k in t], t, lossy, free)
                 if r <= stack_rows and "qgemm" in t and pick not in STACK_KERNELS \
                         and t[pick] > t["qgemm"] * (1 - STACK_MARGIN):
                     pick = "qgemm"
                 elif stack_rows < r <= big_stack_rows and ranges and ranges[0][1] in STACK_KERNELS:
                     first = ranges[0][1]
-                    layout = getattr(get(first), "layout", first)
+                    layout = _layout(first)
                     on = [k for k in order if k in t and (k == first or (
                         k in STACK_BIG_KERNELS and getattr(get(k), "layout", None) == layout))]
                     # on-stack kernels no less precise than the pick that it does not beat by STACK_MARGIN
                     near = [k for k in on if (pick in lossy or k not in lossy) and t[pick] > t[k] * (1 - STACK_MARGIN)]
                     if near and pick not in on:
-                        pick = _pick(near, t, lossy)
+                        pick = _pick(near, t, lossy, free)
                 ranges.append((r, pick))
         if not ranges:
             return None
@@ -319,13 +320,23 @@ def _well_formed(e) -> bool:
         return False
 
 
-def _pick(order: list[str], times: dict[str, float], lossy: set[str] = frozenset()) -> str:
+def _layout(name: str) -> str:
+    return getattr(get(name), "layout", name)
+
+
+def _pick(order: list[str], times: dict[str, float], lossy: set[str] = frozenset(), free: bool = False) -> str:
     """The best-ranked kernel in `order` unless a later one is TIE_MARGIN (LOSSY_MARGIN for a lossy
-    kernel) faster than the best before it: noise on a shared machine must not flip choices."""
+    kernel) faster than the best before it: noise on a shared machine must not flip choices.
+    `free` (row counts above the uniform and stack rows): kernels that share a prepared layout (qgemm and
+    qmadd) compete on time alone. Nothing rides on keeping the earlier one there, no bytes and no
+    identical sums, and the margin was a bias: at 32 rows qmadd measured 6 % faster than qgemm's four
+    passes in one table and 17 % in another, so one build ran qgemm there and 32 streams ran ~10 %
+    slower (EPYC, session 19)."""
     def tie_pick(names):
         best = names[0]
         for k in names[1:]:
-            if times[k] < times[best] * (1 - TIE_MARGIN):
+            margin = 0.0 if free and _layout(k) == _layout(best) else TIE_MARGIN
+            if times[k] < times[best] * (1 - margin):
                 best = k
         return best
 
