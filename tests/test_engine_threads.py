@@ -111,6 +111,19 @@ def test_with_room_above_the_cores_contention_raises_the_count_and_quiet_steps_b
     assert seen[-1] == 2 and set_to[-1] == 2
 
 
+def test_a_probe_returns_when_the_cores_are_slower_than_the_count_it_left_even_if_not_slow():
+    """Contended steps at the cores can sit just under the slow factor; the probe compares them with the
+    steps at the count it came from, and returns there while that count is faster."""
+    ctl = ThreadController(2, patience=3, judge=4, block=2, probe_every=20, max_over=2, set_threads=lambda n: None)
+    _run(ctl, {2: 0.010}, 20)
+    seen = _run(ctl, {2: 0.030, 4: 0.016}, 20)    # contention: a trial settles on 4
+    assert seen[-1] == 4 and ctl.raises == 1
+    seen = _run(ctl, {2: 0.019, 4: 0.015}, 60)     # 2 threads 1.9x the quiet median: not slow, but slower
+    assert seen.count(2) <= 3 * 3 and seen[-1] == 4 and ctl.trials == 1
+    seen = _run(ctl, {2: 0.011, 4: 0.014}, 30)     # the contention ends: 2 threads are faster again
+    assert seen[-1] == 2
+
+
 def test_more_threads_than_cores_are_kept_unless_clearly_slower():
     """Above the cores is the preferred count under contention: a tie keeps it, a clear loss does not."""
     ctl = ThreadController(2, patience=3, judge=4, probe_every=10, max_over=2, set_threads=lambda n: None)

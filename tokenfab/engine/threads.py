@@ -17,7 +17,10 @@ half of one). The fastest on average (less its worst step) is kept unless the pr
 `min_gain` of it, and no trial starts for `probe_every` steps. (Comparing with the slow steps that
 started the trial favoured change: those are the worst steps at that count, picked for being slow.)
 Away from `max_threads`, it probes `max_threads` for `patience` steps every `probe_every` steps and stays
-there when they are no longer slow, so the count comes back when the contention ends. It only ever calls
+there when they are neither slow nor slower than the last steps at the count it came from, so the count
+comes back when the contention ends. (The slow factor alone let probes stick at the cores beside two busy
+loops: there 2 threads ran at ~2.2x the quiet median, steps at 1.8-2.0x were common, and 3 of them
+kept the slower count until contention was detected again.) It only ever calls
 `set_threads`; the engine calls `observe` once per step.
 
 More threads than cores (`max_over` counts above `max_threads`; the engine passes the core count where
@@ -74,6 +77,8 @@ class ThreadController:
         self._turn = 0                                 # steps left at the trial's current count
         self._probe: list[float] | None = None         # slowdowns at a probe's count, while it lasts
         self._probe_from = 0                           # the count a probe returns to when still slow
+        self._recent: deque[float] = deque(maxlen=16)  # slowdowns at the current count away from max_threads
+        self._probe_ref: float | None = None           # their median when a probe left that count
         self._before = 0                               # the count a trial started from
         self._hold = 0                                 # steps left before another trial may start
         self.trials = 0                                # for logs, tests and benchmarks/contention.py
@@ -118,10 +123,14 @@ class ThreadController:
             if ratio is not None:
                 self._probe.append(ratio)
             if len(self._probe) >= self.patience:
-                if statistics.median(self._probe) > self.slow_factor:
+                probe = statistics.median(self._probe)
+                here = self._probe_ref
+                if probe > self.slow_factor or (here is not None and probe > here):
                     self._change(self._probe_from)  # still contended: back, probe again later
                 self._probe = None
             return self.threads
+        if self.threads != self.max_threads and ratio is not None:
+            self._recent.append(ratio)
         if self.threads == self.max_threads and (ratio is None or ratio <= self.quiet_factor):
             # near the median only: contended steps just under `slow_factor` (the OS's fast phases) had
             # moved a server's quiet median from 5.7 to 11.3 ms within 60 steps, hiding the contention
@@ -133,6 +142,7 @@ class ThreadController:
                     else None
                 if free is None or free >= 1:
                     self._probe_from, self._probe = self.threads, []
+                    self._probe_ref = statistics.median(self._recent) if self._recent else None
                     self._change(self.max_threads)
             return self.threads
         crowded = False
@@ -172,5 +182,6 @@ class ThreadController:
     def _change(self, n: int) -> None:
         self.threads = max(1, min(self.top, n))
         self._set(self.threads)
+        self._recent.clear()
         self._slow_run = 0
         self._since_change = 0
