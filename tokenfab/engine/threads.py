@@ -19,7 +19,7 @@ started the trial favoured change: those are the worst steps at that count, pick
 Away from `max_threads`, it probes `max_threads` for `patience` steps every `probe_every` steps and stays
 there when they are neither slow nor slower than the last steps at the count it came from, so the count
 comes back when the contention ends. (The slow factor alone let probes stick at the cores beside two busy
-loops: there 2 threads ran at ~2.2x the quiet median, steps at 1.8-2.0x were common, and 3 of them
+loops: there 2 threads ran at ~2.2x the quiet median, steps at 1.5-2.0x were common, and 3 of them
 kept the slower count until contention was detected again.) It only ever calls
 `set_threads`; the engine calls `observe` once per step.
 
