@@ -257,7 +257,7 @@ class KernelTable:
                     first = ranges[0][1]
                     layout = _layout(first)
                     on = [k for k in order if k in t and (k == first or (
-                        k in STACK_BIG_KERNELS and getattr(get(k), "layout", None) == layout))]
+                        k in STACK_BIG_KERNELS and _layout(k) == layout))]
                     # on-stack kernels no less precise than the pick that it does not beat by STACK_MARGIN
                     near = [k for k in on if (pick in lossy or k not in lossy) and t[pick] > t[k] * (1 - STACK_MARGIN)]
                     if near and pick not in on:
