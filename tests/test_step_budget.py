@@ -158,6 +158,19 @@ def test_the_online_model_calibrates_after_enough_steps():
     assert m.cost.step_time(eight) > m.cost.step_time(one)
 
 
+def test_the_refit_runs_on_one_blas_thread_with_one_controller_built_once(monkeypatch):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from tokenfab.engine import step_cost
+    monkeypatch.setattr(step_cost, "_controller", None)
+    seen = set()
+    for _ in range(3):
+        with step_cost._one_blas_thread():
+            pools = threadpoolctl.threadpool_info()
+        seen.add(id(step_cost._controller))
+        assert pools and all(p["num_threads"] == 1 for p in pools)
+    assert len(seen) == 1 and step_cost._controller is not None   # the libraries scanned once, not per refit
+
+
 def test_engine_config_rejects_a_bad_step_time_budget():
     for bad in ({"step_time_budget_ms": 0}, {"step_time_slack": -0.1}, {"step_budget_min_tokens": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
