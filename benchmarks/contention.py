@@ -4,6 +4,7 @@ quiet figure measured in the same run, with the adaptive thread count on and off
     python benchmarks/contention.py                 # 2 busy processes, 256 tokens, adaptive on and off
     python benchmarks/contention.py --busy 1 --tokens 128
     python benchmarks/contention.py --url http://127.0.0.1:8080   # any OpenAI-compatible server, e.g. llama-server
+    python benchmarks/contention.py --against-fixed 4 --rounds 6  # the controller against 4 fixed threads
 
 It also prints the fair-share ceiling for thread counts up to the cores: with B busy processes and T
 engine threads on C cores, a fair scheduler gives each runnable thread at most C/(B+T) of a core, so no
@@ -113,6 +114,58 @@ def print_ceiling(files, args, quiet_full: float) -> None:
           f"threads: {best:.2f}")
 
 
+def against_fixed(files, args) -> None:
+    """The controller against a fixed thread count (the pool's team, above the cores included), beside
+    the busy loops: one engine, 256-token rounds alternated (the order swapped each round, since the
+    machine drifts), with where the controller's steps went: counts, mean step time, trial and probe steps."""
+    import statistics
+    from collections import Counter
+
+    from tokenfab.engine.engine import _set_threads
+    cores = torch.get_num_threads()
+    llm = LLM(loaded=files, max_model_len=512, max_num_seqs=4, adaptive_threads=True)
+    ctl = llm.engine.thread_controller
+    steps: list[tuple[int, float, bool, bool]] = []
+    observe = ctl.observe
+
+    def traced(num_tokens: int, seconds: float) -> int:
+        steps.append((ctl.threads, seconds, ctl._trial is not None, ctl._probe is not None))
+        return observe(num_tokens, seconds)
+
+    ctl.observe = traced
+    tok_per_s(llm, 8, 1)
+    quiet = tok_per_s(llm, args.tokens, args.repeats)
+    shares: dict[str, list[float]] = {"controller": [], f"fixed {args.against_fixed}": []}
+
+    def with_controller() -> None:
+        llm.engine.thread_controller = ctl
+        _set_threads(cores, ctl.threads)
+        steps.clear()
+        shares["controller"].append(tok_per_s(llm, args.tokens, 1) / quiet)
+
+    def fixed() -> None:
+        llm.engine.thread_controller = None
+        _set_threads(cores, args.against_fixed)
+        shares[f"fixed {args.against_fixed}"].append(tok_per_s(llm, args.tokens, 1) / quiet)
+
+    stop, procs = _busy_loops(args.busy)
+    try:
+        for r in range(args.rounds):
+            for run in ((with_controller, fixed) if r % 2 == 0 else (fixed, with_controller)):
+                run()
+            counts = Counter(t for t, *_ in steps)
+            ms = {t: round(1e3 * statistics.mean(s for u, s, *_ in steps if u == t), 1) for t in counts}
+            print(f"round {r}: controller {shares['controller'][-1]:.2f}, fixed {args.against_fixed} "
+                  f"{shares[f'fixed {args.against_fixed}'][-1]:.2f} of quiet; controller steps per thread count "
+                  f"{dict(counts)}, mean ms {ms}, in trials {sum(s[2] for s in steps)}, in probes {sum(s[3] for s in steps)}")
+    finally:
+        _end_busy(stop, procs)
+        _set_threads(cores, cores)
+    print(f"quiet {quiet:.1f} tok/s; mean share of it over {args.rounds} rounds: " +
+          ", ".join(f"{k} {statistics.mean(v):.3f}" for k, v in shares.items()))
+    print("command: python benchmarks/contention.py " + " ".join(sys.argv[1:]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--busy", type=int, default=2, help="busy processes beside the engine (default 2)")
@@ -120,10 +173,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--model", default=None)
     ap.add_argument("--url", default=None, help="measure this running OpenAI-compatible server instead")
+    ap.add_argument("--against-fixed", type=int, default=None, metavar="N",
+                    help="only compare the controller with N fixed threads, alternated, --rounds times")
+    ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
     if args.url:
         return measure_server(args)
     files = load_model_files(args.model)
+    if args.against_fixed:
+        return against_fixed(files, args)
     print(f"cpu: {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; busy processes: {args.busy}")
     rows = []
     for adaptive in (True, False):

@@ -1,5 +1,5 @@
 """The thread controller: contention lowers the thread count, and its end restores it."""
-from tokenfab.engine.threads import ThreadController, free_cores
+from tokenfab.engine.threads import PROBE_BACKOFF, ThreadController, free_cores
 
 
 def _run(ctl, seconds_per_thread_count, steps, tokens=1):
@@ -120,8 +120,25 @@ def test_a_probe_returns_when_the_cores_are_slower_than_the_count_it_left_even_i
     assert seen[-1] == 4 and ctl.raises == 1
     seen = _run(ctl, {2: 0.019, 4: 0.015}, 60)     # 2 threads 1.9x the quiet median: not slow, but slower
     assert seen.count(2) <= 3 * 3 and seen[-1] == 4 and ctl.trials == 1
-    seen = _run(ctl, {2: 0.011, 4: 0.014}, 30)     # the contention ends: 2 threads are faster again
-    assert seen[-1] == 2
+    seen = _run(ctl, {2: 0.011, 4: 0.014}, PROBE_BACKOFF * 20 + 3)   # the contention ends: 2 threads are
+    assert seen[-1] == 2                                              # faster again, found by the next probe
+
+
+def test_failed_probes_come_twice_as_late_each_time_up_to_the_backoff_and_a_kept_one_resets_it():
+    """Each probe costs `patience` steps at the slower count while the contention lasts: after one
+    fails the next waits twice as long, up to PROBE_BACKOFF x probe_every, so a long contention costs
+    a probe per 80 steps here instead of per 20; the count comes back at most that late when it ends."""
+    ctl = ThreadController(2, patience=3, judge=4, block=2, probe_every=20, max_over=2, set_threads=lambda n: None)
+    _run(ctl, {2: 0.010}, 20)
+    _run(ctl, {2: 0.030, 4: 0.016}, 20)           # a trial settles on 4
+    seen = _run(ctl, {2: 0.030, 4: 0.016}, 400)
+    starts = [i for i in range(1, len(seen)) if seen[i] == 2 and seen[i - 1] == 4]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[:4] == [40 + 3, 80 + 3, 80 + 3, 80 + 3] and ctl.trials == 1
+    seen = _run(ctl, {2: 0.010, 4: 0.014}, 80 + 3)
+    assert seen[-1] == 2 and ctl._gap == 20       # back at the cores, and probes as often as at first
+    seen = _run(ctl, {2: 0.010}, 10)
+    assert set(seen) == {2}
 
 
 def test_more_threads_than_cores_are_kept_unless_clearly_slower():

@@ -16,11 +16,16 @@ the busy processes between cores every 0.1-0.2 s; one thread alternated between 
 half of one). The fastest on average (less its worst step) is kept unless the preferred count is within
 `min_gain` of it, and no trial starts for `probe_every` steps. (Comparing with the slow steps that
 started the trial favoured change: those are the worst steps at that count, picked for being slow.)
-Away from `max_threads`, it probes `max_threads` for `patience` steps every `probe_every` steps and stays
-there when they are neither slow nor slower than the last steps at the count it came from, so the count
-comes back when the contention ends. (The slow factor alone let probes stick at the cores beside two busy
-loops: there 2 threads ran at ~2.2x the quiet median, steps at 1.5-2.0x were common, and 3 of them
-kept the slower count until contention was detected again.) It only ever calls
+Away from `max_threads`, it probes `max_threads` for `patience` steps and stays there when they look
+quiet (within `quiet_factor` of the median) or are `min_gain` faster than the last steps at the count it
+came from, so the count comes back when the contention ends. (The slow factor alone let probes stick at
+the cores beside two busy loops: there 2 threads ran at ~2.2x the quiet median, steps at 1.5-2.0x were
+common, and 3 of them kept the slower count until contention was detected again.) Probes come
+`probe_every` steps apart at first; one that returns waits twice as long before the next, up to
+PROBE_BACKOFF x `probe_every`, and one that stays resets the wait. (Each probe is `patience` steps at
+the slower count, and one that stayed by noise cost a trial: beside two busy loops the controller ran at
+0.46 of quiet speed against 0.52 for a fixed 4 threads, alternated in one process; with the backoff,
+0.51 against 0.52 on the 2-core EPYC, `benchmarks/contention.py --against-fixed 4`.) It only ever calls
 `set_threads`; the engine calls `observe` once per step.
 
 More threads than cores (`max_over` counts above `max_threads`; the engine passes the core count where
@@ -40,6 +45,7 @@ from collections.abc import Callable
 
 import torch
 
+PROBE_BACKOFF = 4        # failed probes space the next ones out to at most this many probe_every
 
 def free_cores() -> int | None:
     """Cores in our affinity mask not running another runnable task right now (None: unknown).
@@ -79,6 +85,7 @@ class ThreadController:
         self._probe_from = 0                           # the count a probe returns to when still slow
         self._recent: deque[float] = deque(maxlen=16)  # slowdowns at the current count away from max_threads
         self._probe_ref: float | None = None           # their median when a probe left that count
+        self._gap = probe_every                        # steps between probes: doubles while they fail
         self._before = 0                               # the count a trial started from
         self._hold = 0                                 # steps left before another trial may start
         self.trials = 0                                # for logs, tests and benchmarks/contention.py
@@ -125,8 +132,12 @@ class ThreadController:
             if len(self._probe) >= self.patience:
                 probe = statistics.median(self._probe)
                 here = self._probe_ref
-                if probe > self.slow_factor or (here is not None and probe > here):
-                    self._change(self._probe_from)  # still contended: back, probe again later
+                if probe > self.slow_factor or (probe > self.quiet_factor and here is not None
+                                                and probe > (1 - self.min_gain) * here):
+                    self._change(self._probe_from)  # still contended: back, probe again later, twice as late
+                    self._gap = min(2 * self._gap, PROBE_BACKOFF * self.probe_every)
+                else:
+                    self._gap = self.probe_every
                 self._probe = None
             return self.threads
         if self.threads != self.max_threads and ratio is not None:
@@ -137,7 +148,7 @@ class ThreadController:
             self._quiet.setdefault(b, deque(maxlen=self._window)).append(seconds)
         self._slow_run = self._slow_run + 1 if slow else 0
         if self.threads != self.max_threads:
-            if self._since_change >= self.probe_every:        # has the contention ended?
+            if self._since_change >= self._gap:               # has the contention ended?
                 free = self._cores_free() if self._cores_free is not None and self.threads < self.max_threads \
                     else None
                 if free is None or free >= 1:
