@@ -1401,24 +1401,39 @@ static void tf_qgemm4_prep(const int16_t *xq, const float *dx, int64_t nb, int16
     }
 }
 
+/* Blocks b and b + 1 of an int4 row: the four int16 vectors of their weights in tf_qgemm4_prep's order. */
+static inline __attribute__((always_inline)) void tf_qgemm4_unpack(const uint8_t *q, int64_t b, __m256i w[4]) {
+    const __m256i lo = _mm256_set1_epi16(0x000F);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + b * 16));
+    w[0] = _mm256_and_si256(v, lo), w[1] = _mm256_and_si256(_mm256_srli_epi16(v, 8), lo);
+    w[2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo), w[3] = _mm256_srli_epi16(v, 12);
+}
+
+/* The pair's two weight scales, block b's in lanes 0-3 and block b + 1's in lanes 4-7. */
+static inline __attribute__((always_inline)) __m256 tf_qgemm4_scales(const float *sb, int64_t b) {
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(sb + b)), _mm_broadcast_ss(sb + b + 1), 1);
+}
+
+/* The pair's integer dots (lanes 0-3: block b, 4-7: block b + 1) against activation vectors x[0..3]. */
+static inline __attribute__((always_inline)) __m256i tf_qgemm4_dot(const __m256i w[4], const __m256i x[4]) {
+    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(w[0], x[0]), _mm256_madd_epi16(w[1], x[1])),
+                            _mm256_add_epi32(_mm256_madd_epi16(w[2], x[2]), _mm256_madd_epi16(w[3], x[3])));
+}
+
 /* Blocks b and b + 1 of one weight row against M activation rows (laid out by tf_qgemm4_prep). */
 static inline __attribute__((always_inline)) void tf_qgemm4_pair(const int M, __m256 *acc, const uint8_t *q,
                                                                 const float *sb, const int16_t *xp,
                                                                 const float *dx8, int64_t K, int64_t nb,
                                                                 int64_t b) {
-    const __m256i lo = _mm256_set1_epi16(0x000F);
-    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + b * 16));
-    const __m256i w0 = _mm256_and_si256(v, lo), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 8), lo);
-    const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo), w3 = _mm256_srli_epi16(v, 12);
-    const __m256 s = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(sb + b)),
-                                          _mm_broadcast_ss(sb + b + 1), 1);
+    __m256i w[4];
+    tf_qgemm4_unpack(q, b, w);
+    const __m256 s = tf_qgemm4_scales(sb, b);
     for (int r = 0; r < M; r++) {
-        const __m256i *x = (const __m256i *)(xp + r * K + b * 32);
-        const __m256i p = _mm256_add_epi32(
-            _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(x)), _mm256_madd_epi16(w1, _mm256_loadu_si256(x + 1))),
-            _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_loadu_si256(x + 2)), _mm256_madd_epi16(w3, _mm256_loadu_si256(x + 3))));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s, _mm256_loadu_ps(dx8 + r * nb * 4 + b * 4)),
-                                 acc[r]);
+        const __m256i *xr = (const __m256i *)(xp + r * K + b * 32);
+        const __m256i x[4] = {_mm256_loadu_si256(xr), _mm256_loadu_si256(xr + 1), _mm256_loadu_si256(xr + 2),
+                              _mm256_loadu_si256(xr + 3)};
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tf_qgemm4_dot(w, x)),
+                                 _mm256_mul_ps(s, _mm256_loadu_ps(dx8 + r * nb * 4 + b * 4)), acc[r]);
     }
 }
 
@@ -1470,25 +1485,19 @@ static inline __attribute__((always_inline)) void tf_qgemm4_rows4(float *out, co
                                                                  int64_t nb, const uint8_t *q, int64_t row_bytes,
                                                                  const float *sb, const float *m, const float *xs,
                                                                  int64_t G) {
-    const __m256i lo = _mm256_set1_epi16(0x000F);
     __m256 acc[4];
     for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) {
-        const __m256i *x = (const __m256i *)(xp + b * 32);
-        const __m256i x0 = _mm256_loadu_si256(x), x1 = _mm256_loadu_si256(x + 1);
-        const __m256i x2 = _mm256_loadu_si256(x + 2), x3 = _mm256_loadu_si256(x + 3);
+        const __m256i *xr = (const __m256i *)(xp + b * 32);
+        const __m256i x[4] = {_mm256_loadu_si256(xr), _mm256_loadu_si256(xr + 1), _mm256_loadu_si256(xr + 2),
+                              _mm256_loadu_si256(xr + 3)};
         const __m256 dxv = _mm256_loadu_ps(dx8 + b * 4);
         for (int i = 0; i < 4; i++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + i * row_bytes + b * 16));
-            const __m256i w0 = _mm256_and_si256(v, lo), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 8), lo);
-            const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo), w3 = _mm256_srli_epi16(v, 12);
-            const float *s = sb + i * G;
-            const __m256 sc = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(s + b)),
-                                                   _mm_broadcast_ss(s + b + 1), 1);
-            const __m256i p = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1)),
-                                               _mm256_add_epi32(_mm256_madd_epi16(w2, x2), _mm256_madd_epi16(w3, x3)));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sc, dxv), acc[i]);
+            __m256i w[4];
+            tf_qgemm4_unpack(q + i * row_bytes, b, w);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tf_qgemm4_dot(w, x)),
+                                     _mm256_mul_ps(tf_qgemm4_scales(sb + i * G, b), dxv), acc[i]);
         }
     }
     for (int i = 0; i < 4; i++) {
@@ -2163,10 +2172,10 @@ static void tf_qgemm_cols(const void *job, int64_t n0, int64_t n1, float *y, int
             for (int64_t l = 0; l < 4 * row_bytes; l += 64) __builtin_prefetch(qn + 8 * row_bytes + l, 0, 3);
             for (int64_t l = 0; l < 4 * G; l += 16) {
                 __builtin_prefetch(d + (n + 8) * G + l, 0, 3);
-                __builtin_prefetch(m + (n + 8) * G + l, 0, 3);
+                if (m) __builtin_prefetch(m + (n + 8) * G + l, 0, 3);
             }
             float out[4];
-            tf_qgemm4_rows4(out, xp, dx8, nb, qn, row_bytes, d + n * G, m + n * G, xs, G);
+            tf_qgemm4_rows4(out, xp, dx8, nb, qn, row_bytes, d + n * G, m ? m + n * G : NULL, xs, G);
             for (int i = 0; i < 4; i++) y[n + i - n0] = out[i];
         }
 #endif
@@ -2195,7 +2204,7 @@ static void tf_qgemm_cols(const void *job, int64_t n0, int64_t n1, float *y, int
             for (int r0 = 0; r0 < M; r0 += 4)
                 switch (M - r0) {
 #define TF_Q4ROW(R) tf_qgemm4_row(R, out + r0, xp + r0 * K, dx8 + r0 * nb * 4, K, nb, (const uint8_t *)qn, sb, \
-                                  m + n * G, xs + r0 * G, G)
+                                  m ? m + n * G : NULL, xs + r0 * G, G)
                     case 1: TF_Q4ROW(1); break;
                     case 2: TF_Q4ROW(2); break;
                     case 3: TF_Q4ROW(3); break;
