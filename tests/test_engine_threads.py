@@ -154,6 +154,23 @@ def test_more_threads_than_cores_are_kept_unless_clearly_slower():
     assert seen[-1] == 2 or ctl.trials > ctl.reverts          # 2 threads, but while a trial measures 4
 
 
+def test_after_the_count_above_the_cores_loses_a_trial_the_next_trial_comes_sooner_then_later():
+    """The first trial of a contention can catch a passing phase where more threads than cores run
+    slower: the next trial then waits a quarter of `probe_every`, then half, then all of it."""
+    ctl = ThreadController(2, patience=3, judge=4, block=2, probe_every=40, max_over=2, set_threads=lambda n: None)
+    _run(ctl, {2: 0.010}, 20)
+    seen = _run(ctl, {2: 0.030, 4: 0.036}, 11)     # 3 slow steps, an 8-step trial: 4 threads lose
+    assert ctl.trials == 1 and ctl.reverts == 1 and seen[-1] == 2
+    seen = _run(ctl, {2: 0.030, 4: 0.016}, 10 + 8 + 1)   # the phase passes: a 10-step hold, a trial
+    assert ctl.trials == 2 and ctl.raises == 1 and seen[-1] == 4
+    ctl = ThreadController(2, patience=3, judge=4, block=2, probe_every=40, max_over=2, set_threads=lambda n: None)
+    _run(ctl, {2: 0.010}, 20)
+    seen = _run(ctl, {2: 0.030, 4: 0.036}, 300)    # 4 threads always slower: trials spaced out again
+    starts = [i for i in range(4, len(seen)) if seen[i] == 4 and seen[i - 4:i] == [2, 2, 2, 2]]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]        # a trial's 8 steps, then its hold
+    assert ctl.raises == 0 and gaps[:4] == [8 + 10, 8 + 20, 8 + 40, 8 + 40]
+
+
 def test_contended_steps_just_under_the_slow_factor_do_not_become_the_quiet_median():
     ctl = ThreadController(2, patience=3, set_threads=lambda n: None)
     _run(ctl, {2: 0.010}, 20)

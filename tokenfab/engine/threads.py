@@ -88,6 +88,7 @@ class ThreadController:
         self._gap = probe_every                        # steps between probes: doubles while they fail
         self._before = 0                               # the count a trial started from
         self._hold = 0                                 # steps left before another trial may start
+        self._lost = 0                                 # trials in a row the count above the cores lost
         self.trials = 0                                # for logs, tests and benchmarks/contention.py
         self.reductions = 0                            # trials that settled below max_threads
         self.raises = 0                                # trials that settled above it
@@ -187,7 +188,15 @@ class ThreadController:
         self.reverts += best == self._before
         self.reductions += best < self.max_threads
         self.raises += best > self.max_threads
-        self._trial, self._hold = None, self.probe_every
+        if prefer > self.max_threads and best < prefer:
+            # The count above the cores lost, often to a passing phase: the first trial of a contention,
+            # in its first second, has kept the cores and the next one, 64 steps later, took twice
+            # them (EPYC, session 21). So the next trial comes sooner: a quarter, then half the hold.
+            self._lost += 1
+            hold = self.probe_every >> max(0, 3 - self._lost)
+        else:
+            self._lost, hold = 0, self.probe_every
+        self._trial, self._hold = None, hold
         self._change(best)
 
     def _change(self, n: int) -> None:
