@@ -48,6 +48,7 @@ import torch
 
 PROBE_BACKOFF = 4        # failed probes space the next ones out to at most this many probe_every
 
+
 def free_cores() -> int | None:
     """Cores in our affinity mask not running another runnable task right now (None: unknown).
     /proc/stat's procs_running counts every runnable task on the machine, ours included."""
