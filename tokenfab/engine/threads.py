@@ -15,8 +15,9 @@ not one count after another, because the machine has phases longer than a trial'
 the busy processes between cores every 0.1-0.2 s; one thread alternated between a core of its own and
 half of one). The fastest on average (less its worst step) is kept unless the preferred count is within
 `min_gain` of it, and no trial starts for `probe_every` steps (a quarter of that, then half, after
-trials in a row where the count above the cores lost: see `_next_candidate`). (Comparing with the slow steps that
-started the trial favoured change: those are the worst steps at that count, picked for being slow.)
+trials in a row where the count above the cores lost: see `_next_candidate`). (Comparing with the slow
+steps that started the trial favoured change: those are the worst steps at that count, picked for
+being slow.)
 Away from `max_threads`, it probes `max_threads` for `patience` steps and stays there when they look
 quiet (within `quiet_factor` of the median) or are `min_gain` faster than the last steps at the count it
 came from, so the count comes back when the contention ends. (The slow factor alone let probes stick at

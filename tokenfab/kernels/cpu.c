@@ -2162,6 +2162,9 @@ static void tf_qgemm_cols(const void *job, int64_t n0, int64_t n1, float *y, int
 #ifdef TF_QGEMM4
     const int16_t *xp = J->xp;
     const float *dx8 = J->dx8;
+    const int folded = xp != NULL;      /* tf_qgemm4_row(s4) fold the offsets' term into each row's sum */
+#else
+    const int folded = 0;
 #endif
     (void)xq;
     int64_t n = n0;
@@ -2211,8 +2214,6 @@ static void tf_qgemm_cols(const void *job, int64_t n0, int64_t n1, float *y, int
                     default: TF_Q4ROW(4); break;
 #undef TF_Q4ROW
                 }
-            for (int64_t r = 0; r < M; r++) y[r * ys + n - n0] = out[r];
-            continue;           /* the offsets' term is in out already */
         } else
         switch (M) {
             case 1: tf_qgemm_row(1, out, xq, dx, K, nb, qn, sb, bits); break;
@@ -2240,7 +2241,7 @@ static void tf_qgemm_cols(const void *job, int64_t n0, int64_t n1, float *y, int
             out[r] = acc;
         }
 #endif
-        if (bits == 4)
+        if (bits == 4 && !folded)
             for (int64_t r = 0; r < M; r++) out[r] += tf_dot_f32(m + n * G, xs + r * G, G);
         for (int64_t r = 0; r < M; r++) y[r * ys + n - n0] = out[r];
     }
