@@ -77,7 +77,7 @@ def test_kv_capacity_named_from_full_pool_and_preemptions_and_queue_is_not_claim
     f = findings[0]
     assert f.numbers["preemptions"] == 6 and f.numbers["kv_usage"] == pytest.approx(0.97)
     text = " ".join(f.evidence + f.advice)
-    assert "97%" in text and "--kv-cache-dtype int8" in text and "--kv-cache-memory" in text
+    assert "97%" in text and "--kv-cache-dtype int8" in text and "--kv-cache-memory-bytes" in text
 
 
 def test_preemptions_are_kv_capacity_even_when_both_usage_samples_missed_the_full_pool():

@@ -236,7 +236,7 @@ def test_kv_sizing_counts_the_sliding_pool_savings(tiny_gemma3):
     """The same KV memory holds more tokens when the sliding layers keep only their window, and
     `tokenfab info` reports the same rule."""
     from tokenfab.engine.sliding_kv import sliding_savings
-    kw = dict(kv_cache_memory=4 << 20, max_num_seqs=2, max_model_len=1024)
+    kw = dict(kv_cache_memory_bytes=4 << 20, max_num_seqs=2, max_model_len=1024)
     on, off = (_llm(tiny_gemma3[0], sliding_window_pool=p, **kw).engine for p in (True, False))
     assert off.block_manager.sliding is None
     assert on.block_manager.num_blocks > 3 * off.block_manager.num_blocks     # 6 of 7 layers slide

@@ -137,7 +137,7 @@ def test_int8_kv_cache_doubles_the_block_pool_at_the_same_memory(bundled_files):
     blocks = {}
     for name, kw in {"float32": {"kv_cache_dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
                      "int8": {"kv_cache_dtype": "int8"}}.items():
-        llm = LLM(loaded=bundled_files, quantization="none", kv_cache_memory=budget, **kw)
+        llm = LLM(loaded=bundled_files, quantization="none", kv_cache_memory_bytes=budget, **kw)
         blocks[name] = llm.engine.stats().num_blocks
         assert llm.engine.scheduler.bm.num_blocks == blocks[name]     # what the scheduler admits into
     cfg = bundled_files.config

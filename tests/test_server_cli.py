@@ -27,13 +27,21 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def test_engine_flags_map_onto_engine_config_fields():
     cfg = engine_config_from_args(parse(
         ["m.gguf", "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
-         "--block-size", "32", "--no-enable-prefix-caching", "--kv-cache-memory", "64MiB", "--dtype", "bfloat16",
+         "--block-size", "32", "--no-enable-prefix-caching", "--kv-cache-memory-bytes", "64MiB",
+         "--dtype", "bfloat16",
          "--quantization", "int8", "--kv-cache-dtype", "int8", "--scheduling-policy", "priority", "--seed", "3"]))
     assert (cfg.model, cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.block_size) == \
         ("m.gguf", 512, 8, 256, 32)
-    assert (cfg.enable_prefix_caching, cfg.kv_cache_memory, cfg.dtype, cfg.quantization) == (False, 64 << 20,
-                                                                                            "bfloat16", "int8")
+    assert (cfg.enable_prefix_caching, cfg.kv_cache_memory_bytes, cfg.dtype, cfg.quantization) == \
+        (False, 64 << 20, "bfloat16", "int8")
     assert (cfg.kv_cache_dtype, cfg.scheduling_policy, cfg.seed) == ("int8", "priority", 3)
+
+
+def test_the_kv_pool_bytes_take_vllms_name_and_the_earlier_one():
+    assert engine_config_from_args(parse(["--kv-cache-memory", "64MiB"])).kv_cache_memory_bytes == 64 << 20
+    assert EngineConfig.from_kwargs(kv_cache_memory=1 << 20).kv_cache_memory_bytes == 1 << 20
+    with pytest.raises(ValueError, match="earlier name of kv_cache_memory_bytes"):
+        EngineConfig.from_kwargs(kv_cache_memory=1 << 20, kv_cache_memory_bytes=2 << 20)
 
 
 def test_flags_left_out_keep_the_engine_config_defaults():
@@ -45,7 +53,7 @@ def test_sizes_accept_units(text, want):
     assert parse_size(text) == want
 
 
-@pytest.mark.parametrize("argv", [["--max-num-seqs", "0"], ["--kv-cache-memory", "lots"], ["--dtype", "int3"]])
+@pytest.mark.parametrize("argv", [["--max-num-seqs", "0"], ["--kv-cache-memory-bytes", "lots"], ["--dtype", "int3"]])
 def test_bad_engine_flags_are_rejected_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit):
         parse(argv)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 DEFAULT_SMALL_BATCH_TOKENS = 4
+RENAMED = {"kv_cache_memory": "kv_cache_memory_bytes"}     # earlier names still accepted: old -> new
 
 
 @dataclass(slots=True)
@@ -20,13 +21,13 @@ class EngineConfig:
     block_size: int = 16                     # tokens per KV block
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    kv_cache_memory: int | None = None       # bytes for the KV pool (vLLM: kv_cache_memory_bytes, on CPU
-                                             # VLLM_CPU_KVCACHE_SPACE); None: what max_num_seqs x max_model_len
-                                             # needs, capped by the two knobs below
+    kv_cache_memory_bytes: int | None = None  # bytes for the KV pool (vLLM's name; on CPU VLLM_CPU_KVCACHE_SPACE;
+                                             # kv_cache_memory before 2026-12); None: what max_num_seqs x
+                                             # max_model_len needs, capped by the two knobs below
     kv_cache_memory_fraction: float = 0.2    # ... at most this share of available memory (cf. vLLM's
                                              # gpu_memory_utilization, but for the KV pool alone)
     kv_cache_memory_max: int = 4 << 30       # ... and at most this many bytes
-    num_kv_blocks: int | None = None         # exact pool size (overrides kv_cache_memory); mostly for tests
+    num_kv_blocks: int | None = None         # exact pool size (overrides kv_cache_memory_bytes); mostly for tests
     sliding_window_pool: bool = True         # sliding-window layers (Gemma 3) keep only their window's blocks,
                                              # in a smaller pool of their own (engine/sliding_kv.py); False:
                                              # every layer keeps every position (single-process only)
@@ -90,6 +91,11 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        for old, new in RENAMED.items():
+            if old in kwargs:
+                if new in kwargs:
+                    raise ValueError(f"{old} is the earlier name of {new}: give one of them")
+                kwargs[new] = kwargs.pop(old)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

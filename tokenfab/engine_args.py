@@ -92,15 +92,16 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    help=f"reuse KV blocks of shared prompt prefixes (default: {'on' if d.enable_prefix_caching else 'off'})")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help=f"split long prefills across steps (default: {'on' if d.enable_chunked_prefill else 'off'})")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                   help="memory for the KV pool, e.g. 512MiB or 2GB (default: a safe share of free memory)")
+    g.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", type=parse_size, default=None,
+                   help="memory for the KV pool, e.g. 512MiB or 2GB (default: what --max-num-seqs sequences of "
+                        "--max-model-len tokens need, within the two limits below)")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=None, metavar="FRACTION",
-                   help="without --kv-cache-memory, the most of available memory the KV pool takes "
+                   help="without --kv-cache-memory-bytes, the most of available memory the KV pool takes "
                         f"(default: {d.kv_cache_memory_fraction})")
     g.add_argument("--kv-cache-memory-max", type=parse_size, default=None,
-                   help=f"without --kv-cache-memory, the most bytes the KV pool takes (default: {d.kv_cache_memory_max >> 30}GiB)")
+                   help=f"without --kv-cache-memory-bytes, the most bytes the KV pool takes (default: {d.kv_cache_memory_max >> 30}GiB)")
     g.add_argument("--num-kv-blocks", type=_positive_int, default=None,
-                   help="exact KV pool size in blocks (overrides --kv-cache-memory)")
+                   help="exact KV pool size in blocks (overrides --kv-cache-memory-bytes)")
     g.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "int8"), default=None,
                    help="KV cache element type; float16 halves what decode attention reads (many streams; "
                         "values rounded to float16); auto: float16 where tokenfab's C kernels read it (CPU, "

@@ -186,7 +186,7 @@ def cmd_info(args) -> int:
         "context_length": cfg.max_position_embeddings, "rope_theta": cfg.rope_theta,
         "tied_embeddings": cfg.tie_word_embeddings, "file_tensor_types": files.file_dtypes,
         "kv_bytes_per_token": kv_bytes,
-        # what a --kv-cache-memory of 1 GiB holds (the engine sizes its block pool the same way)
+        # what a --kv-cache-memory-bytes of 1 GiB holds (the engine sizes its block pool the same way)
         "kv_tokens_per_gib": {d: (1 << 30) // b for d, b in kv_bytes.items()},
     }
     if cfg.sliding_window:      # Gemma 3: what the sliding layers' own pool saves (engine/sliding_kv.py)

@@ -126,7 +126,7 @@ def kv_capacity(m: Measured) -> Finding | None:
         ev.append(f"{m.waiting_after:.0f} request(s) wait while {m.running:.1f} run"
                   + (f" of {cap} allowed by --max-num-seqs" if cap else "") + ": the pool, not the cap, "
                   "stops admission.")
-    advice = ["give the KV pool more memory: --kv-cache-memory (or --num-kv-blocks)"]
+    advice = ["give the KV pool more memory: --kv-cache-memory-bytes (or --num-kv-blocks)"]
     if m.config.get("kv_cache_dtype", "auto") != "int8":
         advice.append("--kv-cache-dtype int8 holds about twice the tokens in the same memory "
                       "(4x against float32)")

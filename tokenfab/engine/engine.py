@@ -64,15 +64,15 @@ def available_memory(device: str) -> int:
 
 
 def kv_pool_blocks(config: EngineConfig, max_len: int, block_bytes: int, fit=None) -> tuple[int, str]:
-    """How many KV blocks to reserve, and why: `num_kv_blocks`, else `kv_cache_memory`, else what
+    """How many KV blocks to reserve, and why: `num_kv_blocks`, else `kv_cache_memory_bytes`, else what
     `max_num_seqs` sequences of `max_len` tokens need when that is less than the free-memory share
     (`kv_cache_memory_fraction` of available, at most `kv_cache_memory_max`), else that share.
     `fit(bytes)`: blocks that fit in a budget (default: bytes // block_bytes; sliding_kv.fit_blocks)."""
     fit = fit or (lambda budget: budget // block_bytes)
     if config.num_kv_blocks:
         return config.num_kv_blocks, "num_kv_blocks"
-    if config.kv_cache_memory:
-        return fit(config.kv_cache_memory), "kv_cache_memory"
+    if config.kv_cache_memory_bytes:
+        return fit(config.kv_cache_memory_bytes), "kv_cache_memory_bytes"
     share = fit(min(int(available_memory(config.device) * config.kv_cache_memory_fraction),
                     config.kv_cache_memory_max))
     need = config.max_num_seqs * -(-max_len // config.block_size)
@@ -176,7 +176,7 @@ class LLMEngine:
             fit = lambda budget: fit_blocks(budget, block_bytes - sliding_bytes, sliding_bytes, sliding_need)  # noqa: E731
         num_blocks, self.kv_sized_from = kv_pool_blocks(config, max_len, block_bytes, fit)
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory is too small for one KV block ({block_bytes} bytes)")
+            raise ValueError(f"kv_cache_memory_bytes is too small for one KV block ({block_bytes} bytes)")
         # A sequence must always fit alone, or preemption could never make progress.
         self.max_model_len = min(max_len, num_blocks * config.block_size)
         if self.max_model_len < max_len and config.max_model_len:
