@@ -280,6 +280,21 @@ def test_torch_and_cpu_attention_backends_give_the_same_greedy_tokens(bundled_ll
     assert a == b
 
 
+def test_the_torch_backend_never_calls_the_c_attention_kernels(bundled_files, monkeypatch):
+    """The portable path is torch alone, even where the C kernels could read its float32 pools."""
+    from tokenfab import LLM, SamplingParams, kernels
+
+    def called(*args, **kwargs):
+        raise AssertionError("the torch attention backend called a C attention kernel")
+    for name in ("decode_attention", "rope_write_kv", "decode_layers"):
+        monkeypatch.setattr(kernels, name, called)
+    llm = LLM(loaded=bundled_files, max_model_len=256, num_kv_blocks=64, attention_backend="torch")
+    assert llm.engine.model.attention_backend.name == "torch"
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.float32     # pools the C decode kernel could read
+    outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
+
+
 def test_forcing_the_cpu_backend_where_it_cannot_run_says_why(bundled_files):
     from tokenfab import LLM
     with pytest.raises(ValueError, match="attention_backend='cpu'"):

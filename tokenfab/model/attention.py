@@ -10,8 +10,9 @@ The portable torch backend gathers each sequence's blocks and calls `scaled_dot_
 It runs on CPU and CUDA; faster backends must agree with it in tests. A sliding-window layer (Gemma 3)
 passes `window`: its queries attend to the last `window` positions only, themselves included (as HF's
 sliding mask). Its pool may hold only the window (engine/sliding_kv.py: `AttentionMetadata.sliding`);
-positions before it read as zeros or stale copies, which the window mask never weighs. On CPU with float32 pools,
-decodes read the blocks in place through tokenfab's C kernel (tokenfab/kernels) instead.
+positions before it read as zeros or stale copies, which the window mask never weighs. This path is
+pure torch; the cpu backend (model/backends.py: CpuPagedAttention) subclasses it to read the pools in
+place through tokenfab's C kernels.
 
 int8 KV cache (`kv_cache_dtype="int8"`): a layer's K and V pools are `Int8KVCache`s, int8 values plus
 a float32 scale per token and head (symmetric, scale = max|x| / 127 over the head's dims). Writes
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenfab import kernels
 
 
 @dataclass(slots=True)
@@ -171,10 +171,6 @@ class TorchPagedAttention:
     def _decode_any(self, q, k_cache, v_cache, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
         if window is None or meta.decode_max_context <= window:      # the window covers every context
             return self._decode(q, k_cache, v_cache, meta)
-        if not isinstance(k_cache, Int8KVCache) and kernels.usable(q, k_cache):   # the C kernel's start offset
-            return kernels.decode_attention(q.reshape(q.shape[0], -1), k_cache, v_cache, meta.decode_block_tables,
-                                            meta.decode_context_lens, self.num_heads, self.num_kv_heads, self.scale,
-                                            window)
         return self._decode_window(q, k_cache, v_cache, meta, window)
 
     def _decode_window(self, q, k_cache, v_cache, meta: AttentionMetadata, window: int) -> torch.Tensor:
@@ -200,10 +196,6 @@ class TorchPagedAttention:
         return g.reshape(*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)[..., :length, :, :]
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if not isinstance(k_cache, Int8KVCache) and kernels.usable(q, k_cache):
-            # straight from the paged pools, no gather copy (tokenfab/kernels/cpu.c)
-            return kernels.decode_attention(q.reshape(q.shape[0], -1), k_cache, v_cache, meta.decode_block_tables,
-                                            meta.decode_context_lens, self.num_heads, self.num_kv_heads, self.scale)
         L = meta.decode_max_context
         keys = self._gather(k_cache, meta.decode_block_tables, L).transpose(1, 2)    # [B, KVH, L, D]
         vals = self._gather(v_cache, meta.decode_block_tables, L).transpose(1, 2)

@@ -82,9 +82,10 @@ class TorchBackend:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Decodes read the float32 or float16 pools in place through tf_paged_decode_attention; prefills use SDPA, in bfloat16
-    for chunks of at least `bf16_rows` tokens (None: never; see bf16_prefill_rows) while `bf16_now`
-    (CpuBackend sets it per step under "auto": this step's qkv projection ran the bf16 kernel)."""
+    """Decodes (sliding windows too) read the float32 or float16 pools in place through
+    tf_paged_decode_attention; prefills use SDPA, in bfloat16 for chunks of at least `bf16_rows` tokens
+    (None: never; see bf16_prefill_rows) while `bf16_now` (CpuBackend sets it per step under "auto":
+    this step's qkv projection ran the bf16 kernel)."""
     bf16_rows: int | None = None
     bf16_now: bool = True
     bf16_out: bool = False    # a bf16 chunk's output may stay bfloat16 (CpuBackend: the o projection takes it)
@@ -96,9 +97,13 @@ class CpuPagedAttention(TorchPagedAttention):
         o = super()._prefill(q.to(b), k.to(b), v.to(b), k_cache, v_cache, p, window)
         return o if self.bf16_out else o.to(q.dtype)
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode_any(self, q, k_cache, v_cache, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
+        # straight from the paged pools, no gather copy; a sliding layer's window is the kernel's start offset
+        if window is not None and meta.decode_max_context <= window:      # the window covers every context
+            window = None
         return kernels.decode_attention(q.reshape(q.shape[0], -1), k_cache, v_cache, meta.decode_block_tables,
-                                        meta.decode_context_lens, self.num_heads, self.num_kv_heads, self.scale)
+                                        meta.decode_context_lens, self.num_heads, self.num_kv_heads, self.scale,
+                                        window)
 
 
 class CpuBackend(TorchBackend):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenfab import kernels
-from tokenfab.model.attention import AttentionMetadata, TorchPagedAttention
+from tokenfab.model.attention import AttentionMetadata
 from tokenfab.model.config import ModelConfig
 from tokenfab.model.layers import RMSNorm, RotaryEmbedding
 
@@ -35,7 +35,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.attn = TorchPagedAttention(self.h, self.kvh, self.d, block_size)
+        self.block_size = block_size
         self.backend = None                 # the model's AttentionBackend (model/backends.py), set at load
         self.o_bf16 = False                 # the backend may hand o_proj bfloat16 rows (set at load by it)
 
@@ -130,9 +130,9 @@ class LlamaModel(nn.Module):
     def default_backend(self, name: str = "auto", kv_dtype: torch.dtype | None = None, **opts):
         from tokenfab.model.backends import make_attention_backend
         cfg, w = self.config, self.embed_tokens.weight
-        attn = self.layers[0].self_attn.attn
         return make_attention_backend(name, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                                      head_dim=cfg.head_dim, block_size=attn.block_size, device=w.device.type,
+                                      head_dim=cfg.head_dim, block_size=self.layers[0].self_attn.block_size,
+                                      device=w.device.type,
                                       dtype=w.dtype, kv_dtype=kv_dtype or w.dtype, scale=cfg.attn_scale, **opts)
 
     @torch.inference_mode()
