@@ -10,6 +10,7 @@ from torch import nn
 from tokenfab.kernels import linear as seam
 from tokenfab.kernels.tuning import KernelTable, select_kernels
 from tokenfab.model.layers import FloatLinear
+from tokenfab.quant.kquants import KQUANT_LINEAR_TYPES
 from tokenfab.quant.linear import Int4Linear, Int8Linear, Q8_0Linear, W8A8Linear
 
 ROWS = (1, 7, 16, 17, 64, 512)
@@ -26,6 +27,9 @@ def _layers():
         "int4-awq-g128": Int4Linear.from_float(w, group_size=128, input_scale=torch.rand(576, generator=g) + 0.5),
         "q8_0": Q8_0Linear(q8, torch.rand(96, 18, generator=g) * 0.01),
         "w8a8": W8A8Linear.from_float(w),
+        # K-quant super-blocks are 256 wide (the other K-quant types: tests/test_kquant.py, from random blocks)
+        "q4_k": KQUANT_LINEAR_TYPES["Q4_K"].from_float(w[:, :512]),
+        "q6_k": KQUANT_LINEAR_TYPES["Q6_K"].from_float(w[:, :512]),
     }
 
 
@@ -58,10 +62,10 @@ def test_every_registered_kernel_matches_the_float_reference_at_every_row_count(
     scale = layer.input_scale_tensor
     g = torch.Generator().manual_seed(1)
     for rows in ROWS:
-        x = torch.randn(rows, 576, generator=g)
+        x = torch.randn(rows, layer.in_features, generator=g)
         ref = F.linear(x if scale is None else x * scale, w, layer.bias).detach()
         y = layer(x).detach()
-        assert y.shape == (rows, 96) and y.dtype == torch.float32
+        assert y.shape == (rows, layer.out_features) and y.dtype == torch.float32
         err = float((y - ref).abs().max() / ref.abs().max())
         assert err < 4 * TOLERANCE[kernel], (kernel, layer_name, rows, err)
 

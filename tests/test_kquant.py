@@ -39,7 +39,7 @@ def test_c_decoder_matches_gguf_dequantizer_block_by_block(kind):
 
 @needs_c
 @pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
-@pytest.mark.parametrize("tokens", [1, 7, 16, 17, 64])
+@pytest.mark.parametrize("tokens", [1, 7, 16, 17, 64, 512])
 def test_each_kquant_kernel_matches_gguf_dequantize_then_float_matmul(kind, tokens):
     rows, cols = 80, 2 * QK
     raw = random_blocks(kind, rows, cols, seed=tokens)

@@ -266,9 +266,10 @@ def scrape(http) -> dict[str, float]:
     return out
 
 
-def test_metrics_parse_with_design_names_and_counters_move(http, client, model):
+def test_metrics_parse_with_design_names_and_counters_move(http, client, model, bundled_llm):
     before = scrape(http)
-    for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+    for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "engine_num_threads",
+                 "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total",
                  "generation_tokens_total", "time_to_first_token_seconds_count",
                  "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
@@ -289,3 +290,6 @@ def test_metrics_parse_with_design_names_and_counters_move(http, client, model):
     assert moved("inter_token_latency_seconds_count") == MAX_TOKENS - 1
     assert moved("request_success_total{finished_reason=length}") == 1
     assert after["tokenfab:num_requests_running"] == 0 and after["tokenfab:kv_cache_usage_perc"] == 0
+    engine = bundled_llm.engine                  # the thread count the steps run on now, whoever set it
+    threads = engine.thread_controller.threads if engine.thread_controller else engine.stats().num_threads
+    assert after["tokenfab:engine_num_threads"] == threads >= 1
