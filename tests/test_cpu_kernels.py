@@ -11,6 +11,7 @@ from tokenfab.model.layers import RotaryEmbedding
 from tokenfab.quant.linear import Int4Linear, Int8Linear, Q4_1Linear, Q8_0Linear
 
 pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="no C compiler: the torch path runs instead")
+ALL_ISAS = list(kernels.ISA_VARIANTS)     # every build this CPU runs; the others skip, naming what it runs
 
 
 def test_rms_norm_matches_torch():
@@ -195,7 +196,8 @@ def test_env_switch_turns_the_kernels_off(monkeypatch):
     lambda w: Q8_0Linear(torch.randint(-127, 128, w.shape, dtype=torch.int8), torch.rand(w.shape[0], w.shape[1] // 32)),
 ], ids=["int4-g32", "int4-g64", "int4-g128-padded", "int4-awq", "int8", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 3, kernels.QGEMM_MAX_ROWS])
-def test_quantized_gemm_equals_dequantize_then_linear_to_int16_activation_rounding(make, rows):
+@pytest.mark.parametrize("isa", ALL_ISAS, indirect=True)
+def test_quantized_gemm_equals_dequantize_then_linear_to_int16_activation_rounding(make, rows, isa):
     torch.manual_seed(4)
     layer = make(torch.randn(96, 576) * 0.05)
     layer.kernel = "cpu"                                                       # tf_qgemm, alias kept
@@ -213,7 +215,8 @@ def test_quantized_gemm_equals_dequantize_then_linear_to_int16_activation_roundi
     lambda w: Int8Linear.from_float(w),                                     # one group per row: block scales repeated
     lambda w: Q8_0Linear(torch.randint(-127, 128, w.shape, dtype=torch.int8), torch.rand(w.shape[0], w.shape[1] // 32)),
 ], ids=["int4-g32", "int8", "q8_0"])
-def test_quantized_gemm_rows_are_independent_of_how_many_run_together(make):
+@pytest.mark.parametrize("isa", ALL_ISAS, indirect=True)
+def test_quantized_gemm_rows_are_independent_of_how_many_run_together(make, isa):
     """Speculative verification runs k + 1 rows of one sequence in one call, plain decoding one: each
     row must come out bit for bit the same either way (greedy equality), for every row count the
     kernel specializes (1-8, and 9+ in passes of 8). 608 inputs = 19 blocks of 32: a partial chunk of
@@ -275,7 +278,8 @@ def test_the_gemm_pool_gives_the_same_bits_when_its_workers_are_descheduled(dela
     lambda w: Int8Linear.from_float(w),
     lambda w: Q8_0Linear(torch.randint(-127, 128, w.shape, dtype=torch.int8), torch.rand(w.shape[0], w.shape[1] // 32)),
 ], ids=["int4-g32", "int4-g64", "int4-g128-padded", "int8", "q8_0"])
-def test_qmadd_computes_qgemms_block_dots_with_rows_independent_of_each_other(make):
+@pytest.mark.parametrize("isa", ALL_ISAS, indirect=True)
+def test_qmadd_computes_qgemms_block_dots_with_rows_independent_of_each_other(make, isa):
     """tf_qmadd reads qgemm's layout with qgemm's int16 activation blocks, outputs in the lanes: the same
     exact integer dots, float sums in another order (last bits). 400 outputs = 25 units of 16: the two
     threads' runs are uneven and each expands its weights in more than one L2-sized chunk; 4-row register
@@ -345,7 +349,8 @@ def test_decode_kernel_keeps_the_bundled_model_at_float_precision(bundled_files,
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
-def test_fused_decode_stack_gives_the_per_layer_path_logits_exactly(bundled_files, kv_cache_dtype):
+@pytest.mark.parametrize("isa", ALL_ISAS, indirect=True)
+def test_fused_decode_stack_gives_the_per_layer_path_logits_exactly(bundled_files, kv_cache_dtype, isa):
     # The default (quantized) bundled model: small decode steps go through one tf_decode_layers call,
     # over float32 pools or float16 ones (the stack's kv_half layers)
     from tokenfab import LLM, SamplingParams

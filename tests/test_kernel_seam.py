@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenfab import kernels
 from tokenfab.kernels import linear as seam
 from tokenfab.kernels.tuning import KernelTable, select_kernels
 from tokenfab.model.layers import FloatLinear
@@ -45,14 +46,19 @@ TOLERANCE = {"onednn": 1e-5, "torch": 1e-6, "float": 1e-5, "dequant": 1e-6,
              "w8a8": 0.05}        # activations as int8 per row
 
 
-def _pairs():
+C_KERNELS = ("qgemm", "qmadd", "qdot", "qtile", "qbf16")     # tokenfab's C library: each build the CPU runs
+
+
+def _cases():
     names = {k.name: k.formats for k in seam.registered()}
-    return [(layer, kernel) for layer in _layers() for kernel, fmts in names.items()
-            if _layers()[layer].weight_format in fmts]
+    layers = _layers()
+    return [(layer, kernel, isa) for layer in layers for kernel, fmts in names.items()
+            if layers[layer].weight_format in fmts
+            for isa in (kernels.ISA_VARIANTS if kernel in C_KERNELS else [None])]
 
 
-@pytest.mark.parametrize("layer_name,kernel", _pairs())
-def test_every_registered_kernel_matches_the_float_reference_at_every_row_count(layer_name, kernel):
+@pytest.mark.parametrize("layer_name,kernel,isa", _cases(), indirect=["isa"])
+def test_every_registered_kernel_matches_the_float_reference_at_every_row_count(layer_name, kernel, isa):
     layer = _layers()[layer_name]
     why = seam.get(kernel).supports(layer)
     if why is not None:
