@@ -333,15 +333,17 @@ def test_small_steps_run_on_small_batch_threads_and_big_ones_on_all(bundled_file
     import torch
 
     from tokenfab import LLM, SamplingParams
-    from tokenfab.engine.async_engine import SMALL_BATCH, AsyncEngine
+    from tokenfab.config import DEFAULT_SMALL_BATCH_TOKENS as SMALL_BATCH
+    from tokenfab.engine.async_engine import AsyncEngine
 
     full = 2
     torch.set_num_threads(full)     # an earlier test may have left another count, in this thread or another
-    llm = LLM(loaded=bundled_files, max_model_len=256, num_kv_blocks=128)
+    llm = LLM(loaded=bundled_files, max_model_len=256, num_kv_blocks=128, small_batch_threads=1)
+    assert llm.engine.thread_controller is None      # one owner of the thread count
     seen: list[tuple[int, int, int]] = []     # (sequences, tokens, threads) per step
     llm.engine.step_observer = lambda steps, start, end, busy: seen.append(
         (len(steps), sum(n for _, n in steps), torch.get_num_threads()))
-    eng = AsyncEngine(llm.engine, small_batch_threads=1)
+    eng = AsyncEngine(llm.engine)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
     async def run(n: int, prompt_len: int = 4) -> None:
@@ -362,5 +364,4 @@ def test_small_steps_run_on_small_batch_threads_and_big_ones_on_all(bundled_file
     assert all(t == 1 for n, tok, t in seen if tok <= SMALL_BATCH)
     assert [t for n, tok, t in seen if n == 1 and tok == 32] == [full]
     assert any(t == full for n, tok, t in seen if n > SMALL_BATCH)
-    assert llm.engine.before_execute is None        # the hook goes with the worker
     assert torch.get_num_threads() == full          # the caller's setting is untouched

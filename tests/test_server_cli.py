@@ -128,12 +128,11 @@ def test_a_command_may_redefine_an_engine_flag_after_adding_them():
     assert engine_config_from_args(args).seed == EngineConfig().seed
 
 
-def test_small_batch_threads_flag_defaults_to_all_threads():
-    from tokenfab.server.cli import small_batch_threads
-    assert small_batch_threads(None) is None and small_batch_threads(0) is None
-    assert small_batch_threads(3) == 3
-    with pytest.raises(ValueError, match="small-batch-threads"):
-        small_batch_threads(-1)
+def test_small_batch_threads_is_an_engine_option_off_by_default():
+    assert engine_config_from_args(parse([])).small_batch_threads is None
+    assert engine_config_from_args(parse(["--small-batch-threads", "3"])).small_batch_threads == 3
+    with pytest.raises(ValueError, match="small_batch_threads must be 0"):
+        engine_config_from_args(parse(["--small-batch-threads", "-1"]))
 
 
 def test_unknown_tool_call_parser_is_a_clear_error_before_the_model_loads():

@@ -54,7 +54,8 @@ class EngineConfig:
     # -- kernels: chosen once at load (tokenfab/kernels/linear.py, tokenfab/model/backends.py) ----------
     attention_backend: str = "auto"          # auto | torch (portable) | cpu (tokenfab's C kernels)
     linear_kernel: str = "auto"              # auto (measured table) | a registered kernel forced where it runs:
-                                             # onednn, torch, qgemm, qdot, packed, float, dequant, w8a8
+                                             # onednn, torch, qgemm, qmadd, qdot, qtile, qbf16, packed, float,
+                                             # bf16, dequant, w8a8
     kernel_autotune: bool = True             # measure the kernel table on first load (cached per CPU); False:
                                              # the built-in rules, nothing measured
     int8_activations: bool = False           # let the table choose qdot (int8 activation blocks, llama.cpp's
@@ -78,7 +79,11 @@ class EngineConfig:
     fused_decode_max_tokens: int = 16        # ... of at most this many rows (and where every linear runs qgemm)
     fused_decode_big_max_tokens: int = 64    # ... and bigger decode steps up to this many rows where every linear's
                                              # plan keeps reading its qtile layout (qtile, then qbf16); 0: never
-    small_batch_tokens: int = DEFAULT_SMALL_BATCH_TOKENS   # serve --small-batch-threads: steps this small
+    small_batch_threads: int | None = None   # threads for steps of at most small_batch_tokens tokens (small
+                                             # decodes; llama.cpp's --threads beside --threads-batch), the rest
+                                             # on all; None or 0: all threads always (the thread controller owns
+                                             # the count then; with this set it is off)
+    small_batch_tokens: int = DEFAULT_SMALL_BATCH_TOKENS   # ... steps this small
     adaptive_threads: bool = True            # lower the thread count while other processes take cores, restore
                                              # it after (tokenfab/engine/threads.py; CPU, 2+ threads)
     tensor_parallel_size: int = 1            # ranks one model is split over (torch.distributed); docs/tensor_parallel.md
@@ -135,6 +140,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        v = self.small_batch_threads
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"small_batch_threads must be 0 (off) or a positive number of threads, got {v!r}")
         for name in ("fused_decode_big_max_tokens", "paged_prefill_max_context"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:

@@ -142,11 +142,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     g.add_argument("--adaptive-threads", action=argparse.BooleanOptionalAction, default=None,
                    help="lower the thread count while other processes take the cores, restore it after "
                         f"(default: {'on' if d.adaptive_threads else 'off'})")
+    g.add_argument("--small-batch-threads", type=int, default=None, metavar="N",
+                   help=f"threads for steps of at most {d.small_batch_tokens} tokens (small decodes), like llama.cpp's "
+                        "--threads beside --threads-batch; the thread controller is off then (default: 0, all)")
     g.add_argument("--attention-backend", default=None,
                    help=f"auto, torch (portable) or cpu (tokenfab's C kernels) (default: {d.attention_backend})")
     g.add_argument("--linear-kernel", default=None,
                    help="auto (the measured table) or one kernel forced where it runs: onednn, torch, qgemm, "
-                        f"qdot, packed, float, dequant, w8a8 (default: {d.linear_kernel})")
+                        f"qmadd, qdot, qtile, qbf16, packed, float, bf16, dequant, w8a8 (default: {d.linear_kernel})")
     g.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
                    help="let the kernel table choose qdot: activations as int8 blocks of 32, integer dot products "
                         "(VNNI where the CPU has it), as llama.cpp; lossy (docs/quant.md) "

@@ -21,7 +21,6 @@ Failures:
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import queue
 import threading
@@ -30,13 +29,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from tokenfab import kernels
 from tokenfab.outputs import RequestOutput
 from tokenfab.sampling import SamplingParams
-
-from tokenfab.config import DEFAULT_SMALL_BATCH_TOKENS as SMALL_BATCH   # EngineConfig.small_batch_tokens' default
 
 log = logging.getLogger("tokenfab.engine")
 
@@ -137,16 +132,8 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine, *, max_waiting_requests: int | None = None, max_consecutive_failures: int = 3,
-                 listener: EngineListener | None = None, small_batch_threads: int | None = None) -> None:
-        """small_batch_threads: torch/OpenMP threads for steps computing at most SMALL_BATCH tokens
-        (None: always torch's setting), like llama.cpp's --threads beside --threads-batch; big batches
-        and every prefill get all threads. Off by default: once the loader thread's OpenMP pool is
-        released (`start`), all threads won on every step size measured (docs/serving.md)."""
+                 listener: EngineListener | None = None) -> None:
         self.engine = engine
-        self.small_batch_threads = small_batch_threads
-        # Read here, in the caller's thread: a new thread's first torch call takes the last count set by
-        # *any* thread, which need not be this engine's.
-        self._full_threads = (small_batch_threads and engine.config.num_threads) or torch.get_num_threads()
         self.max_waiting_requests = max_waiting_requests
         self.max_consecutive_failures = max_consecutive_failures
         self.listener = listener
@@ -297,18 +284,8 @@ class AsyncEngine:
         except RuntimeError:                 # the event loop is closed: nobody is listening any more
             pass
 
-    def _threads_for_step(self, full: int, num_tokens: int) -> None:
-        """The engine's before_execute hook: decided on the scheduled step's size, so a prefill
-        never runs on the reduced thread count."""
-        want = self.small_batch_threads if num_tokens <= self.engine.config.small_batch_tokens else full
-        if want != torch.get_num_threads():
-            torch.set_num_threads(want)
-
     def _run(self) -> None:
         failures = 0
-        if self.small_batch_threads:
-            self.engine.before_execute = functools.partial(self._threads_for_step, self._full_threads)
-            self.engine.thread_controller = None       # one owner of the thread count
         try:
             while True:
                 busy = self.engine.has_unfinished_requests()
@@ -338,8 +315,6 @@ class AsyncEngine:
             self.dead_reason = f"{type(e).__name__}: {e}"
             log.critical("engine loop died: %s", self.dead_reason, exc_info=True)
             self._post(self._on_dead)
-        finally:
-            self.engine.before_execute = None
 
     def _take_commands(self, block: bool) -> list:
         cmds = [self._inbox.get()] if block else []

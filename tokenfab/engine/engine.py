@@ -238,17 +238,18 @@ class LLMEngine:
         # tokens) per scheduled sequence, perf_counter() at its start and end, and whether requests are
         # left to run (e.g. tokenfab.plan.step_table.StepLog).
         self.step_observer = None
-        # before_execute(num_tokens), if set, runs once a step is scheduled, before the model: e.g.
-        # AsyncEngine picking a thread count for the step's size.
-        self.before_execute = None
         self.errors: dict[str, str] = {}      # request id -> why it failed, until its output is returned
         # adapts the thread count while other processes take cores (engine/threads.py): torch's up to the
         # count it started with, the C kernels' own pool (cpu.c's tf_cols) up to twice that
         threads = torch.get_num_threads()
+        # small_batch_threads: small steps on fewer threads, set by the thread that steps (OpenMP's count is
+        # per thread); it owns the count, so the controller is off
+        self.small_batch_threads, self._full_threads = config.small_batch_threads or None, threads
         self.thread_controller = (ThreadController(threads, cores_free=free_cores,
                                                    max_over=threads if kernels.enabled() else 0,
                                                    set_threads=functools.partial(_set_threads, threads))
-                                  if config.adaptive_threads and config.device == "cpu" and threads > 1 else None)
+                                  if config.adaptive_threads and config.device == "cpu" and threads > 1
+                                  and not self.small_batch_threads else None)
 
     def _choose_kernels(self, kv_dtype: torch.dtype, kv_bytes: int) -> None:
         """Every linear's kernels (the measured table) and the attention backend, once."""
@@ -381,8 +382,10 @@ class LLMEngine:
             if seq.scheduled_time is None:
                 seq.scheduled_time = now
         num_tokens = batch.total_tokens
-        if self.before_execute is not None:
-            self.before_execute(num_tokens)
+        if self.small_batch_threads:            # decided on the scheduled step: a prefill gets every thread
+            want = self.small_batch_threads if num_tokens <= self.config.small_batch_tokens else self._full_threads
+            if want != torch.get_num_threads():
+                torch.set_num_threads(want)
         t_run = time.perf_counter()
         step = self.runner.prepare(batch)
         masks = self.structured.masks(step.sampling_seqs)   # structured output; overlaps the model if enabled

@@ -43,8 +43,7 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     """An app serving `engine` (an LLMEngine, or an AsyncEngine around one)."""
     config = config or ServerConfig()
     config.validate()
-    async_engine = engine if isinstance(engine, AsyncEngine) else \
-        AsyncEngine(engine, small_batch_threads=config.small_batch_threads)
+    async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     async_engine.max_waiting_requests = config.max_waiting_requests
     names = list(config.served_model_names) or [default_model_name(async_engine.engine)]
     metrics = ServerMetrics(async_engine, names[0])

@@ -39,9 +39,6 @@ def add_parser(subparsers) -> None:
                    help="seconds to let in-flight requests finish after SIGTERM (default: 30)")
     g.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="do not log one line per request")
-    g.add_argument("--small-batch-threads", type=int, default=None, metavar="N",
-                   help="torch threads for steps of at most 4 tokens (small decodes), like llama.cpp's --threads "
-                        "beside --threads-batch; 0 or unset = always all")
     g.add_argument("--no-ui", dest="ui", action="store_false",
                    help="do not serve the web page (chat, live dashboard, bench viewer, doctor) at /")
     g.add_argument("--max-n", type=int, default=128,
@@ -107,7 +104,7 @@ def server_config_from_args(args: argparse.Namespace):
                           served_model_names=list(args.served_model_name or []),
                           max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
                           allowed_origins=list(args.allowed_origins or []), shutdown_timeout=args.shutdown_timeout,
-                          access_log=args.access_log, small_batch_threads=small_batch_threads(args.small_batch_threads),
+                          access_log=args.access_log,
                           max_n=args.max_n, max_request_sequences=args.max_request_sequences,
                           ui=args.ui, data_dir=args.data_dir, batch_max_file_bytes=args.batch_max_file_bytes,
                           batch_max_total_bytes=args.batch_max_total_bytes, batch_concurrency=args.batch_concurrency,
@@ -130,13 +127,6 @@ def _int_or_none(text: str) -> int | None:
 def _tool_parsers() -> dict:
     from tokenfab.server.tool_parsers import PARSERS
     return PARSERS
-
-
-def small_batch_threads(flag: int | None) -> int | None:
-    """--small-batch-threads: None (unset) or 0: every step on all threads."""
-    if flag is not None and flag < 0:
-        raise ValueError(f"--small-batch-threads must be 0 (off) or positive, got {flag}")
-    return flag or None
 
 
 def apply_slo_to_step_budget(engine_config, server_config) -> None:

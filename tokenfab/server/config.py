@@ -17,7 +17,6 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)   # CORS; empty: no CORS headers at all
     shutdown_timeout: float = 30.0           # seconds to drain in-flight requests after SIGTERM
     access_log: bool = True
-    small_batch_threads: int | None = None   # torch threads for steps of few sequences; None: torch's setting
     ui: bool = True                          # the web page at / (chat, dashboard, bench viewer, doctor)
     max_n: int = 128                         # choices per request (OpenAI's limit); more get 400
     max_request_sequences: int = 1024        # prompts x n one request may start; more get 400
