@@ -292,7 +292,7 @@ def test_torch_and_cpu_attention_backends_give_the_same_greedy_tokens(bundled_ll
 
 def test_the_torch_backend_never_calls_the_c_attention_kernels(bundled_files, monkeypatch):
     """The portable path is torch alone, even where the C kernels could read its float32 pools."""
-    from tokenfab import LLM, SamplingParams, kernels
+    from tokenfab import LLM, SamplingParams
 
     def called(*args, **kwargs):
         raise AssertionError("the torch attention backend called a C attention kernel")
