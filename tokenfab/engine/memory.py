@@ -13,12 +13,11 @@ import ctypes
 import ctypes.util
 import logging
 
+# Decode steps up to this many rows run tf_qgemm on the stored blocks (the built-in rules, and the one-call
+# stack's rows): a float copy there would never be read by a decode step.
 from tokenfab.kernels.tuning import QGEMM_DEFAULT_MAX_ROWS as QGEMM_DECODE_ROWS
 
 log = logging.getLogger("tokenfab.engine")
-
-# Decode steps up to QGEMM_DECODE_ROWS rows run tf_qgemm on the stored blocks (the built-in rules, and the
-# one-call stack's rows): a float copy there would never be read by a decode step.
 
 
 def decode_rows(config) -> int:

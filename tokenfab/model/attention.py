@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 @dataclass(slots=True)
 class PrefillChunk:
     query_start: int            # index of its first token in the flat batch

@@ -97,10 +97,12 @@ class CpuPagedAttention(TorchPagedAttention):
         o = super()._prefill(q.to(b), k.to(b), v.to(b), k_cache, v_cache, p, window)
         return o if self.bf16_out else o.to(q.dtype)
 
-    def _decode_any(self, q, k_cache, v_cache, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
+    # The base class's _decode_any picks between these two (a window that covers every context is none)
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return self._decode_window(q, k_cache, v_cache, meta, None)
+
+    def _decode_window(self, q, k_cache, v_cache, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
         # straight from the paged pools, no gather copy; a sliding layer's window is the kernel's start offset
-        if window is not None and meta.decode_max_context <= window:      # the window covers every context
-            window = None
         return kernels.decode_attention(q.reshape(q.shape[0], -1), k_cache, v_cache, meta.decode_block_tables,
                                         meta.decode_context_lens, self.num_heads, self.num_kv_heads, self.scale,
                                         window)
