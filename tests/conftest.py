@@ -58,6 +58,10 @@ def isa(request):
     if name not in kernels.available_isas():
         pytest.skip(f"this CPU lacks the {name} instruction set (it runs {', '.join(kernels.available_isas())})")
     kernels.set_isa(name)
+    if not kernels.enabled() or kernels.isa() != name:
+        kernels.set_isa(None)
+        pytest.skip(f"the CPU has the {name} instruction set, but building tokenfab's kernels for it failed here "
+                    "(an older compiler?)")
     try:
         yield name
     finally:

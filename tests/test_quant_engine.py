@@ -29,7 +29,8 @@ def _llm(files, **kw):
 
 @pytest.fixture(scope="module")
 def float_llm(bundled_files):
-    return _llm(bundled_files, quantization="none")
+    # float32 prefill attention: on CPUs with bf16 units "auto" takes bf16 there, which is not the reference
+    return _llm(bundled_files, quantization="none", prefill_attention_dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +63,12 @@ def test_evaluation_windows_never_overlap_the_calibration_slice(bundled_tokenize
 # --------------------------------------------------------------------------- native GGUF blocks
 
 def test_native_gguf_blocks_give_float_logits_at_bf16_precision(bundled_files, float_llm, prompt_ids):
-    gguf = _llm(bundled_files, quantization="gguf").engine.model
+    # the packed kernel on every CPU (a measured table may take bf16 copies or AMX tiles instead), and the
+    # reference's float32 attention: the error asserted is the bf16 activations' alone
+    gguf = _llm(bundled_files, quantization="gguf", linear_kernel="packed", prefill_attention_dtype="float32").engine.model
     assert sum(isinstance(m, QuantLinear) for m in gguf.modules()) == 30 * 4 + 1     # every linear + LM head
     ref = full_logits(float_llm.engine.model, prompt_ids)
-    got = full_logits(gguf, prompt_ids)           # 20 tokens: the packed kernels (bf16 activations)
+    got = full_logits(gguf, prompt_ids)           # the packed kernels (bf16 activations)
     # bf16 rounding of activations in 30 layers: a few % of the logit range, never a changed ranking
     torch.testing.assert_close(got, ref, rtol=0, atol=0.05 * float(ref.abs().max()))
     rows, targets = next_token_targets(torch.tensor(prompt_ids))
@@ -88,8 +91,9 @@ def int4_folder(bundled_files, tmp_path_factory):
 
 
 def test_quantized_checkpoint_round_trips_through_llm_model_dir(bundled_files, int4_folder, prompt_ids):
-    loaded = LLM(model=int4_folder, num_kv_blocks=64)
-    in_memory = _llm(bundled_files, quantization="int4-g32")
+    # the default rules for both: two measured tables can differ where kernels nearly tie (a busy machine)
+    loaded = LLM(model=int4_folder, num_kv_blocks=64, kernel_autotune=False)
+    in_memory = _llm(bundled_files, quantization="int4-g32", kernel_autotune=False)
     m = loaded.engine.model
     assert isinstance(m.layers[0].mlp.down_proj, Int4Linear)
     assert m.lm_head.weight is m.embed_tokens.weight                  # tie kept, one copy in memory
