@@ -1,16 +1,16 @@
-"""tf_qgemm from two versions of cpu.c, in one process, calls interleaved: a change's effect on the decode rows.
+"""tf_qgemm from two versions of the C kernels, in one process, calls interleaved: a change's effect on decode rows.
 
-    python benchmarks/qgemm_ab.py                        # this tree's cpu.c against HEAD~1's, 1 row
+    python benchmarks/qgemm_ab.py                        # this tree's kernels against HEAD~1's, 1 row
     python benchmarks/qgemm_ab.py --baseline 2633bc9 --rows 1 4 8 --head
 
-Both sources are compiled with the flags the engine uses for this CPU's best ISA variant and loaded side
-by side (ctypes, RTLD_LOCAL). Each pass calls tf_qgemm on 30 layers' worth of the bundled model's int4
-g32 decoder shapes (random weights, 61 MB of int4 blocks and float32 scales: streamed from memory, as a
-decode step streams them), plus the Q8_0 LM head with --head. Passes alternate between the two
-libraries (ABAB, then BABA), --passes of each, so a shared host's drift hits both alike; printed: each
-one's median and 10th-percentile pass, and baseline / this tree (> 1: this tree is faster), with the CPU
-model and flags. The two builds' outputs are compared first (largest difference relative to the
-output's largest magnitude).
+Both versions (tokenfab/kernels/csrc/*.c, or the one cpu.c of a revision from before the split) are compiled
+with the flags the engine uses for this CPU's best ISA variant and loaded side by side (ctypes, RTLD_LOCAL).
+Each pass calls tf_qgemm on 30 layers' worth of the bundled model's int4 g32 decoder shapes (random weights,
+61 MB of int4 blocks and float32 scales: streamed from memory, as a decode step streams them), plus the Q8_0
+LM head with --head. Passes alternate between the two libraries (ABAB, then BABA), --passes of each, so a
+shared host's drift hits both alike; printed: each one's median and 10th-percentile pass, and baseline /
+this tree (> 1: this tree is faster), with the CPU model and flags. The two builds' outputs are compared
+first (largest difference relative to the output's largest magnitude).
 """
 from __future__ import annotations
 
@@ -35,13 +35,31 @@ QGEMM_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, 
               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
 
 
-def build(source: str, out_dir: str, name: str) -> ctypes.CDLL:
+def baseline_sources(root: str, rev: str, out_dir: str) -> list[str]:
+    """`rev`'s kernel sources written under out_dir: tokenfab/kernels/csrc's *.c and *.h, or the one cpu.c of a
+    revision from before the split; returns the .c files."""
+    def show(path: str) -> bytes:
+        return subprocess.run(["git", "-C", root, "show", f"{rev}:{path}"], check=True, capture_output=True).stdout
+
+    ls = subprocess.run(["git", "-C", root, "ls-tree", "--name-only", rev, "tokenfab/kernels/csrc/"],
+                        capture_output=True, text=True)
+    paths = [p for p in ls.stdout.split() if p.endswith((".c", ".h"))] if ls.returncode == 0 else []
+    if not paths:
+        paths = ["tokenfab/kernels/cpu.c"]
+    for path in paths:
+        with open(os.path.join(out_dir, os.path.basename(path)), "wb") as f:
+            f.write(show(path))
+    return sorted(os.path.join(out_dir, os.path.basename(p)) for p in paths if p.endswith(".c"))
+
+
+def build(sources: list[str], out_dir: str, name: str) -> ctypes.CDLL:
     isa = kernels._wanted_isa()
     flags = kernels.FLAGS + (kernels.ISA_VARIANTS[isa][0] if isa in kernels.ISA_VARIANTS else ["-march=native"])
     path = os.path.join(out_dir, name + ".so")
-    proc = subprocess.run([os.environ.get("CC", "gcc"), *flags, source, "-o", path, "-lm"], capture_output=True, text=True)
+    proc = subprocess.run([os.environ.get("CC", "gcc"), *flags, *sources, "-o", path, "-lm"], capture_output=True,
+                          text=True)
     if proc.returncode:
-        raise SystemExit(f"building {source} failed:\n{proc.stderr[-2000:]}")
+        raise SystemExit(f"building {name} ({', '.join(sources)}) failed:\n{proc.stderr[-2000:]}")
     lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
     lib.tf_qgemm.argtypes, lib.tf_qgemm.restype = QGEMM_ARGS, None
     return lib
@@ -49,7 +67,7 @@ def build(source: str, out_dir: str, name: str) -> ctypes.CDLL:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline", default="HEAD~1", help="git revision whose tokenfab/kernels/cpu.c is the baseline")
+    ap.add_argument("--baseline", default="HEAD~1", help="git revision whose C kernels are the baseline")
     ap.add_argument("--rows", type=int, nargs="+", default=[1])
     ap.add_argument("--head", action="store_true", help="also the 49152x576 Q8_0 LM head in each pass")
     ap.add_argument("--passes", type=int, default=30)
@@ -58,11 +76,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as tmp:
-        base_src = os.path.join(tmp, "base.c")
-        with open(base_src, "wb") as f:
-            f.write(subprocess.run(["git", "-C", root, "show", f"{args.baseline}:tokenfab/kernels/cpu.c"],
-                                   check=True, capture_output=True).stdout)
-        libs = [build(base_src, tmp, "base"), build(kernels.SOURCE, tmp, "tree")]
+        base_dir = os.path.join(tmp, "base")
+        os.makedirs(base_dir)
+        libs = [build(baseline_sources(root, args.baseline, base_dir), tmp, "base"),
+                build(kernels.sources(), tmp, "tree")]
         flags = sorted(kernels.cpu_flags() & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16"})
         print(f"{kernels._cpu_model().strip()} ({' '.join(flags)}); {kernels._wanted_isa()} build; "
               f"{args.threads} thread(s); baseline {args.baseline} against this tree")

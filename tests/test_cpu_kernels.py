@@ -235,7 +235,7 @@ def test_quantized_gemm_rows_are_independent_of_how_many_run_together(make, isa)
 
 @pytest.mark.parametrize("delay_us", [0, 300])
 def test_the_gemm_pool_gives_the_same_bits_when_its_workers_are_descheduled(delay_us):
-    """tf_qgemm's threads (tf_cols in cpu.c): each thread claims chunks, its own run first, then what the
+    """tf_qgemm's threads (tf_cols, csrc/pool.c): each thread claims chunks, its own run first, then what the
     others have not claimed; the calling thread takes over any chunk a worker has not finished in twice its
     own chunk time. With every worker chunk made to sleep 300 us (a worker the OS
     descheduled), the caller takes chunks over and the late workers' results must be thrown away, also

@@ -92,7 +92,7 @@ def test_importing_tokenfab_shortens_openmps_spin_wait_unless_the_user_set_one()
 
 
 def test_with_room_above_the_cores_contention_raises_the_count_and_quiet_steps_bring_it_back():
-    """cpu.c's pool does not wait for descheduled threads, so beside busy processes more threads than
+    """The C kernels' pool does not wait for descheduled threads, so beside busy processes more threads than
     cores claim more of a fair scheduler's time: a trial measures max_threads + max_over too, keeps it
     while it is the fastest, and a probe of the core count every `probe_every` steps returns there once
     the contention has ended."""

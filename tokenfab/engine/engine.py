@@ -240,7 +240,7 @@ class LLMEngine:
         self.step_observer = None
         self.errors: dict[str, str] = {}      # request id -> why it failed, until its output is returned
         # adapts the thread count while other processes take cores (engine/threads.py): torch's up to the
-        # count it started with, the C kernels' own pool (cpu.c's tf_cols) up to twice that
+        # count it started with, the C kernels' own pool (tf_cols, kernels/csrc/pool.c) up to twice that
         threads = torch.get_num_threads()
         # small_batch_threads: small steps on fewer threads, set by the thread that steps (OpenMP's count is
         # per thread); it owns the count, so the controller is off

@@ -31,7 +31,7 @@ the slower count, and one that stayed by noise cost a trial: beside two busy loo
 `set_threads`; the engine calls `observe` once per step.
 
 More threads than cores (`max_over` counts above `max_threads`; the engine passes the core count where
-the C kernels are built): with the decode GEMMs and attention on cpu.c's own pool, which never waits for
+the C kernels are built): with the decode GEMMs and attention on the C kernels' pool, which never waits for
 a descheduled thread, extra threads are extra claims on the scheduler's time, not extra barriers to
 wait at. On the 2-core EPYC beside two busy loops, held for 128 tokens in steady state (session 19): 2
 threads kept ~0.36 of the quiet speed, 4 threads ~0.58 (busy loops in sessions of their own, each its
@@ -103,7 +103,7 @@ class ThreadController:
 
     def candidates(self) -> list[int]:
         """The counts a trial measures, the current one first (the count to beat). With room above the
-        cores (cpu.c's pool runs the step): the cores and that limit; fewer threads did not help there
+        cores (the C kernels' pool runs the step): the cores and that limit; fewer threads did not help there
         (EPYC, 2 cores, two busy loops: 2 threads ~0.36 of quiet, 4 threads ~0.58; 1 thread alternated
         between a core of its own and half of one as the OS moved the busy loops, ~0.42 on average, and
         a trial's few steps could not tell which). Without: the cores, half of them and one."""

@@ -1,13 +1,16 @@
-"""tokenfab's CPU kernels (cpu.c): built with the machine's C compiler at first use, called via ctypes.
+"""tokenfab's CPU kernels (csrc/*.c): built with the machine's C compiler at first use, called via ctypes.
 
     from tokenfab import kernels
     if kernels.enabled():
         kernels.rms_norm(x, weight, eps)
 
-The shared library is cached under ~/.cache/tokenfab/kernels (or $TOKENFAB_CACHE), keyed by the
-source, the compiler flags and the CPU model, so a copy built for another CPU is never loaded.
+The C sources live in csrc/: one file per section (pool.c, rowwise.c, attention.c, qgemm.c, kquant.c, qdot.c,
+qmadd.c, decode_layers.c, amx_qtile.c, amx_bf16.c) and the header they share (common.h), compiled in one gcc
+command into one shared library. It is cached under ~/.cache/tokenfab/kernels (or $TOKENFAB_CACHE), keyed by
+every source and header file, the compiler flags and the CPU model, so editing any file rebuilds it and a copy
+built for another CPU is never loaded.
 
-Instruction sets: on x86-64 the same source is built once per *ISA variant* (ISA_VARIANTS: AVX2,
+Instruction sets: on x86-64 the same sources are built once per *ISA variant* (ISA_VARIANTS: AVX2,
 AVX-VNNI, AVX-512 F/BW/VL, AVX-512 + VNNI; each its own .so, built when first asked for), and the
 best one the CPU's flags allow is loaded. TOKENFAB_CPU_ISA=avx2 (or any lower variant) forces one,
 so tests and benchmarks can run every path the machine has; `set_isa` does the same in-process.
@@ -35,7 +38,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu.c")
+SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")   # the C sources: *.c + common.h
 # -Bsymbolic: each variant's own calls bind inside it, so two variants loaded in one process (set_isa) never mix
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-Wl,-Bsymbolic"]
 # variant -> (compiler flags, /proc/cpuinfo flags it needs); lowest first. x86-64-v3 is AVX2+FMA+F16C,
@@ -49,8 +52,8 @@ ISA_VARIANTS = {
                     {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"}),
 }
 NATIVE = "native"                   # non-x86 machines, or x86 without AVX2: -march=native, whatever it has
-ISA_BITS = {1: "avx2", 2: "avx512", 4: "avx512_vnni", 8: "avx_vnni"}   # tf_isa()'s mask in cpu.c
-MAX_HEAD_DIM = 512      # rope's scratch row in cpu.c
+ISA_BITS = {1: "avx2", 2: "avx512", 4: "avx512_vnni", 8: "avx_vnni"}   # tf_isa()'s mask (csrc/qdot.c)
+MAX_HEAD_DIM = 512      # rope's scratch row (csrc/rowwise.c)
 
 _lib = None
 _tried = False
@@ -87,7 +90,7 @@ _SIGNATURES = {
     "tf_pool_config": [_I, _I, _I],
     "tf_pool_threads": [_I],
 }
-QGEMM_MAX_ROWS = 16     # rows tf_qgemm takes (8 per pass over W, TF_MAX_ROWS in cpu.c); 2-core VM: beats the
+QGEMM_MAX_ROWS = 16     # rows tf_qgemm takes (8 per pass over W, TF_MAX_ROWS in csrc/common.h); 2-core VM: beats the
                         # float32 GEMM by 25-37 % at 9-16 decode rows, even at 24, behind at 32
 
 
@@ -159,23 +162,39 @@ def _wanted_isa() -> str:
     return want
 
 
+def sources() -> list[str]:
+    """The library's C files (csrc/*.c, sorted by name), compiled in one gcc command into one shared library."""
+    return [os.path.join(SOURCE_DIR, name) for name in sorted(os.listdir(SOURCE_DIR)) if name.endswith(".c")]
+
+
+def source_digest() -> bytes:
+    """sha256 of every source and header file in csrc/ (each one's name and contents, sorted by name): any
+    edit, added, removed or renamed file changes it (the build cache's key, the kernel table's too)."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(SOURCE_DIR)):
+        if name.endswith((".c", ".h")):
+            with open(os.path.join(SOURCE_DIR, name), "rb") as f:
+                data = f.read()
+            h.update(name.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+    return h.digest()
+
+
 def _build() -> ctypes.CDLL | None:
     global _isa
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         log.warning("no C compiler found: tokenfab's CPU kernels are off, the torch path runs instead")
         return None
-    with open(SOURCE, "rb") as f:
-        src = f.read()
+    srcs, digest = sources(), source_digest()
     isa = _wanted_isa()
     flags = FLAGS + (ISA_VARIANTS[isa][0] if isa in ISA_VARIANTS else ["-march=native"])
-    key = hashlib.sha256(src + " ".join([cc] + flags).encode() + _cpu_model().encode()).hexdigest()[:16]
+    key = hashlib.sha256(digest + " ".join([cc] + flags).encode() + _cpu_model().encode()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"cpu-{isa}-{key}.so")
     if not os.path.exists(path):
         os.makedirs(_cache_dir(), exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
         os.close(fd)
-        proc = subprocess.run([cc, *flags, SOURCE, "-o", tmp, "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *flags, *srcs, "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             os.unlink(tmp)
             log.warning("building tokenfab's CPU kernels failed, the torch path runs instead:\n%s",
@@ -200,7 +219,7 @@ def isa() -> str | None:
 
 
 def compiled_features() -> list[str]:
-    """What the loaded build's compiler actually enabled (tf_isa in cpu.c): avx2, avx512, avx512_vnni, avx_vnni."""
+    """What the loaded build's compiler actually enabled (tf_isa, csrc/qdot.c): avx2, avx512, avx512_vnni, avx_vnni."""
     if not enabled():
         return []
     mask = _lib.tf_isa()
@@ -355,7 +374,7 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def pool_stats() -> dict[str, int]:
-    """The decode GEMMs' thread pool (tf_cols in cpu.c): chunks its workers published, chunks the calling thread
+    """The decode GEMMs' thread pool (tf_cols, csrc/pool.c): chunks its workers published, chunks the calling thread
     took over from a worker that had not finished (descheduled, as a rule), worker results thrown away because
     of that, and workers started. Zeros when the kernels are off."""
     out = (ctypes.c_int64 * 4)()
@@ -392,7 +411,7 @@ def _layout_call(fn, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor | None, m
 
 def qgemm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group_size: int, bits: int,
           out_features: int) -> torch.Tensor:
-    """x [M, K] float32 @ a quantized [out, K] weight (layouts in cpu.c), float32 [M, out]; M up to
+    """x [M, K] float32 @ a quantized [out, K] weight (layouts in csrc/qgemm.c), float32 [M, out]; M up to
     QGEMM_MAX_ROWS in the engine (any M works: 8 rows per pass over the weight).
     Activations enter as int16 per block of 32 (relative error ~2^-16)."""
     return _layout_call(_lib.tf_qgemm, x, q, d, m, group_size, bits, out_features)
@@ -402,7 +421,7 @@ def qmadd(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
           out_features: int) -> torch.Tensor:
     """As `qgemm` (the same layout, the same int16 activation blocks and exact block dots), for big batches
     and prefill chunks: the weights expanded to int16 pairs once per call, outputs in the lanes, 16 MACs
-    per vpmaddwd (tf_qmadd in cpu.c; AVX2 builds, out_features a multiple of 16). A row's float sums
+    per vpmaddwd (tf_qmadd, csrc/qmadd.c; AVX2 builds, out_features a multiple of 16). A row's float sums
     differ from qgemm's in the last bits and never depend on the other rows."""
     return _layout_call(_lib.tf_qmadd, x, q, d, m, group_size, bits, out_features)
 
@@ -414,12 +433,12 @@ QDOT_KQUANT_TYPES = (12, 14)   # Q4_K, Q6_K: the K-quants tf_qdot multiplies in 
 def qdot(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group_size: int, bits: int,
          out_features: int) -> torch.Tensor:
     """As `qgemm`, with activations as int8 per block of 32 (llama.cpp's approach) and integer dot
-    products: vpdpbusd where the build has VNNI, AVX2 maddubs otherwise (tf_qdot in cpu.c)."""
+    products: vpdpbusd where the build has VNNI, AVX2 maddubs otherwise (tf_qdot, csrc/qdot.c)."""
     return _layout_call(_lib.tf_qdot, x, q, d, m, group_size, bits, out_features)
 
 
 QTILE_FLAG = 512         # tf_qgemm's `bits | QTILE_FLAG` runs tf_qtile (a qtile layout in the decode stack)
-QTILE_MAX_ROWS = 16      # rows tf_qtile takes per pass over the weight (TF_QTILE_ROWS in cpu.c)
+QTILE_MAX_ROWS = 16      # rows tf_qtile takes per pass over the weight (TF_QTILE_ROWS in csrc/amx_qtile.c)
 QTILE_HALF = 1024        # a qtile layout's `bits | QTILE_HALF`: its scales and offsets are float16 (TF_QTILE_HALF)
 
 
@@ -436,7 +455,7 @@ def qtile_vnni_available() -> bool:
 
 
 def qtile_pack(layout: tuple, out_features: int) -> tuple:
-    """A tf_qgemm layout (q, d, m, gs, bits 4 or 8) -> tf_qtile's (cpu.c): outputs in tiles of 16, each
+    """A tf_qgemm layout (q, d, m, gs, bits 4 or 8) -> tf_qtile's (csrc/amx_qtile.c): outputs in tiles of 16, each
     block of 32 inputs as the tile unit's B operand (int8 as is; int4 as nibbles, two B rows per 64
     bytes); the scales and int4's offsets tiled [out / 16, groups, 16] (a block's 16 in one load), in
     float16 when that is exact (GGUF's blocks store float16: `bits | QTILE_HALF`), else float32. Int4
@@ -510,7 +529,7 @@ def qbf16(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
 
 
 # GGUF K-quant types tf_qgemm reads as stored (its `bits` argument is then ggml's type id): super-blocks
-# of 256 weights, bytes per super-block (cpu.c, tf_kquant_block_bytes).
+# of 256 weights, bytes per super-block (csrc/kquant.c, tf_kquant_block_bytes).
 KQUANT_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 KQUANT_BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210}
 
@@ -532,8 +551,9 @@ def kdequant(raw: torch.Tensor, type_id: int, out_features: int, in_features: in
 
 
 class QLinear(ctypes.Structure):
-    """tf_qlin in cpu.c: one quantized linear's tf_qgemm layout; with `big_from` > 0, steps of at least that
-    many rows run the big-batch kernel on it instead: tf_qbf16 on a qtile layout, tf_qmadd on a qgemm one."""
+    """tf_qlin in csrc/decode_layers.c: one quantized linear's tf_qgemm layout; with `big_from` > 0, steps of at
+    least that many rows run the big-batch kernel on it instead: tf_qbf16 on a qtile layout, tf_qmadd on a qgemm
+    one."""
     _fields_ = [("q", _P), ("d", _P), ("m", _P), ("gs", _I), ("bits", _I), ("big_from", _I)]
 
     @classmethod
@@ -544,7 +564,7 @@ class QLinear(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """tf_layer in cpu.c: a decoder layer's norm weights, linears and KV pools; the q/k and output
+    """tf_layer in csrc/decode_layers.c: a decoder layer's norm weights, linears and KV pools; the q/k and output
     norms are NULL where the layer has none, `window` 0 for a global layer, `kv_half` 1 for float16
     pools (see f16_pools)."""
     _fields_ = [("ln1", _P), ("ln2", _P), ("qkv", QLinear), ("o", QLinear), ("gate_up", QLinear),
@@ -553,8 +573,8 @@ class Layer(ctypes.Structure):
 
 
 class StepView(ctypes.Structure):
-    """tf_step_view in cpu.c: what a step's layers read besides their weights (one view for the global
-    layers, one for the sliding ones)."""
+    """tf_step_view in csrc/decode_layers.c: what a step's layers read besides their weights (one view
+    for the global layers, one for the sliding ones)."""
     _fields_ = [("positions", _P), ("slots", _P), ("block_tables", _P), ("ctx_lens", _P), ("bt_stride", _I),
                 ("cos", _P), ("sin", _P)]
 
@@ -565,7 +585,7 @@ class StepView(ctypes.Structure):
                    meta.decode_context_lens.data_ptr(), bt.stride(0), rope.cos.data_ptr(), rope.sin_signed.data_ptr())
 
 
-ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}     # tf_decode_layers' `act` (TF_ACT_* in cpu.c)
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}     # tf_decode_layers' `act` (TF_ACT_* in csrc/decode_layers.c)
 
 
 def decode_layers(x: torch.Tensor, layers, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,

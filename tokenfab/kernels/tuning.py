@@ -103,11 +103,10 @@ def default_plan(layer: KernelLinear) -> LinearPlan:
 
 # ---------------------------------------------------------------------------- the measured table
 def _cpu_key() -> str:
-    from tokenfab.kernels import SOURCE, _cpu_model
+    from tokenfab.kernels import _cpu_model, source_digest
     parts = [_cpu_model(), torch.__version__, str(CACHE_GENERATION)]
     try:
-        with open(SOURCE, "rb") as f:
-            parts.append(hashlib.sha256(f.read()).hexdigest())
+        parts.append(source_digest().hex())     # every C source and header: an edit to any one re-measures
     except OSError:
         pass
     from tokenfab import kernels as c

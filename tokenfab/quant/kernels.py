@@ -2,16 +2,16 @@
 
 Four ways compute a quantized linear; which one runs which row count is decided once at load by the
 measured table (tokenfab/kernels/tuning.py), not here:
-- **qgemm**: tokenfab's C kernel (tokenfab/kernels/cpu.c, `tf_qgemm`): reads int4 / int8 / Q8_0 blocks
+- **qgemm**: tokenfab's C kernel (tokenfab/kernels/csrc/qgemm.c, `tf_qgemm`): reads int4 / int8 / Q8_0 blocks
   directly, activations as int16 per block of 32 (relative error ~2^-16: KL 3e-7 against float on the
   bundled model, where bf16 activations give 1e-3). 8 rows per pass over the weight: decode steps.
-- **qmadd**: tf_qmadd (cpu.c), qgemm's layout and activations with the outputs in the vector lanes: the
+- **qmadd**: tf_qmadd (csrc/qmadd.c), qgemm's layout and activations with the outputs in the vector lanes: the
   weights expanded to int16 pairs once per call, 16 MACs per vpmaddwd. As precise as qgemm; big batches
   and prefill chunks on CPUs without AMX, where qgemm costs what a float32 GEMM does.
-- **qtile**: tf_qtile (cpu.c), int4 / int8 / Q8_0 blocks on AMX int8 tiles: the int16 activations of
+- **qtile**: tf_qtile (csrc/amx_qtile.c), int4 / int8 / Q8_0 blocks on AMX int8 tiles: the int16 activations of
   qgemm split into two exact int8 halves, so as precise; a block for 16 outputs and up to 8 rows in one
   tile multiply, so extra rows (speculative verify, small decode batches) cost little. AMX CPUs only.
-- **qdot**: tf_qdot (cpu.c), llama.cpp's approach: int8 activation blocks of 32 with their own scale,
+- **qdot**: tf_qdot (csrc/qdot.c), llama.cpp's approach: int8 activation blocks of 32 with their own scale,
   integer dot products against int4 / int8 / Q8_0 / Q4_K / Q6_K blocks (vpdpbusd on VNNI builds,
   AVX2 maddubs otherwise). Lossy (int8 activations): opt-in (EngineConfig.int8_activations), and then
   the table needs it LOSSY_MARGIN faster.
@@ -44,7 +44,7 @@ def _on_cpu(layer) -> bool:
 
 
 class QGemm:
-    """tf_qgemm (tokenfab/kernels/cpu.c): AVX2 FMA over the stored blocks, int16 activation blocks."""
+    """tf_qgemm (tokenfab/kernels/csrc/qgemm.c): AVX2 FMA over the stored blocks, int16 activation blocks."""
     name, formats, tune_max_rows, float_copy = "qgemm", ("int8", "int4", "q8_0") + KQUANT_FORMATS, 64, False
     rank, lossy = 0, False
 
@@ -72,7 +72,7 @@ class QGemm:
 
 
 class QMadd(QGemm):
-    """tf_qmadd (tokenfab/kernels/cpu.c): qgemm's layout (the same prepared state: no copy) and qgemm's int16
+    """tf_qmadd (tokenfab/kernels/csrc/qmadd.c): qgemm's layout (the same prepared state: no copy) and qgemm's int16
     activation blocks, so the same exact integer dot per block; the outputs sit in the vector lanes, each
     thread expands its weights to int16 pairs once per call and every row then costs one vpmaddwd + vpaddd
     per 2 inputs and 8 outputs. For big batches and prefill chunks on CPUs without AMX bf16 (AVX2 / AVX-512;
@@ -99,7 +99,7 @@ class QMadd(QGemm):
 
 
 class QDot:
-    """tf_qdot (tokenfab/kernels/cpu.c): llama.cpp's approach, int8 activation blocks of 32 with their
+    """tf_qdot (tokenfab/kernels/csrc/qdot.c): llama.cpp's approach, int8 activation blocks of 32 with their
     own scale times the stored int4 / int8 / Q8_0 / Q4_K / Q6_K blocks in integer dot products
     (vpdpbusd with VNNI, AVX2 maddubs otherwise). Opt-in: the int8 activations cost KL 3.5e-3 against
     float on the bundled model (docs/quant.md), so the table measures and chooses it only with
@@ -140,7 +140,7 @@ def _padded(state, x: torch.Tensor) -> torch.Tensor:
 
 
 class QTile:
-    """tf_qtile (tokenfab/kernels/cpu.c): a few activation rows times int4 / int8 / Q8_0 blocks on AMX int8
+    """tf_qtile (tokenfab/kernels/csrc/amx_qtile.c): a few activation rows times int4 / int8 / Q8_0 blocks on AMX int8
     tiles, one tile multiply per block for 16 outputs and every row at once (int16 activation blocks,
     split into two int8 halves, so the integer dot is exact: as precise as qgemm). Where qgemm's cost
     grows by ~2 cycles per block per row, a 5-row step here costs about what 1 row does (speculative
@@ -184,7 +184,7 @@ class QTile:
 
 
 class QBf16:
-    """tf_qbf16 (tokenfab/kernels/cpu.c): big batches and prefill chunks on AMX bf16 tiles, reading the qtile
+    """tf_qbf16 (tokenfab/kernels/csrc/amx_bf16.c): big batches and prefill chunks on AMX bf16 tiles, reading the qtile
     layout (the same state as qtile: no second copy). Each tile of 16 outputs is expanded to bf16 inside the
     kernel, once per call, as the bf16 float copy holds its weights; activations are rounded to bf16 as the
     bf16 kernel rounds them; sums in float32. So it computes what "bf16" computes without keeping its 2-byte

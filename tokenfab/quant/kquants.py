@@ -2,15 +2,15 @@
 
 A K-quant row is a run of super-blocks of 256 weights, each a fixed number of bytes holding fp16
 super-scales, 4-8 bit sub-block scales and the packed quants (the layouts are written out in
-tokenfab/kernels/cpu.c beside the decoder, and in the gguf package's numpy dequantizers, which the
+tokenfab/kernels/csrc/kquant.c beside the decoder, and in the gguf package's numpy dequantizers, which the
 tests check the C decoder against block by block). `KQuantLinear` keeps the file's bytes, uint8
 [out, in / 256 * block bytes], and nothing else: no float copy. Its kernels (chosen at load by the
 measured table, tokenfab/kernels/tuning.py):
-- **qgemm**: `tf_qgemm` with ggml's type id as its `bits` (tf_kgemm in cpu.c): a super-block is
+- **qgemm**: `tf_qgemm` with ggml's type id as its `bits` (tf_kgemm, csrc/kquant.c): a super-block is
   expanded into 256 floats once per weight row and dotted with up to 8 float32 activation rows. Also
   what the one-call decode stack runs.
 - **qdot** (opt-in, `int8_activations`): Q4_K and Q6_K blocks times int8 activation blocks in integer
-  dot products (tf_qdot in cpu.c): 2.9-3.8x faster than qgemm at 1 row, at KL ~+0.003 (docs/quant.md).
+  dot products (tf_qdot, csrc/qdot.c): 2.9-3.8x faster than qgemm at 1 row, at KL ~+0.003 (docs/quant.md).
 - **float**: expanded once into a float32 oneDNN copy, where the table says it pays and the memory
   budget allows (counted as a float copy).
 - **dequant**: expanded per call (tf_kdequant), then F.linear.

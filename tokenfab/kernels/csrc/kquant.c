@@ -1,0 +1,236 @@
+/* GGUF's K-quant blocks, read as stored: super-blocks of 256 weights along a row (layouts as in ggml
+ * and the gguf package's numpy dequantizers, which the tests check every type against). `type` is
+ * ggml's type id; tf_qgemm hands these to tf_kgemm when its `bits` argument is one of them, so the
+ * same layer table (tf_qlin) and the one-call decode stack take K-quant layers unchanged.
+ *   Q2_K (10), 84 bytes:  scales[16] (low nibble scale, high nibble min), qs[64] 2-bit, d, dmin (fp16)
+ *   Q3_K (11), 110 bytes: hmask[32], qs[64] 2-bit low bits, scales[12] (16 x 6-bit signed), d
+ *   Q4_K (12), 144 bytes: d, dmin, scales[12] (8 x 6-bit scale + 8 x 6-bit min), qs[128] nibbles
+ *   Q5_K (13), 176 bytes: d, dmin, scales[12], qh[32] (fifth bits), qs[128]
+ *   Q6_K (14), 210 bytes: ql[128] nibbles, qh[64] 2-bit highs, scales[16] int8, d
+ * Activations stay float32: a super-block is expanded into 256 floats on the stack once per weight row
+ * and dotted with up to 8 activation rows while it is in L1. */
+#include "common.h"
+
+int64_t tf_kquant_block_bytes(int64_t type) {
+    switch (type) {
+        case TF_Q2_K: return 84;
+        case TF_Q3_K: return 110;
+        case TF_Q4_K: return 144;
+        case TF_Q5_K: return 176;
+        case TF_Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+/* One super-block -> 256 floats. */
+static void tf_kdecode(const uint8_t *b, int64_t type, float *w) {
+    switch (type) {
+        case TF_Q2_K: {
+            const uint8_t *sc = b, *qs = b + 16;
+            const float d = tf_f16(b + 80), dmin = tf_f16(b + 82);
+            for (int i = 0; i < 256; i++) {
+                const int h = i >> 7, s = (i >> 5) & 3, l = i & 31, sub = i >> 4;
+                const int q = (qs[h * 32 + l] >> (2 * s)) & 3;
+                w[i] = d * (float)(sc[sub] & 0x0F) * (float)q - dmin * (float)(sc[sub] >> 4);
+            }
+            break;
+        }
+        case TF_Q3_K: {
+            const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
+            const float d = tf_f16(b + 108);
+            float dl[16];
+            for (int j = 0; j < 16; j++) {
+                const int lo = (j < 8 ? s[j] : s[j - 8] >> 4) & 0x0F;
+                const int hi = (s[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
+                dl[j] = d * (float)((lo | (hi << 4)) - 32);
+            }
+            for (int i = 0; i < 256; i++) {
+                const int h = i >> 7, sh = (i >> 5) & 3, l = i & 31;
+                const int q = ((qs[h * 32 + l] >> (2 * sh)) & 3) - (((hm[l] >> (i >> 5)) & 1) ? 0 : 4);
+                w[i] = dl[i >> 4] * (float)q;
+            }
+            break;
+        }
+        case TF_Q4_K:
+        case TF_Q5_K: {
+            const float d = tf_f16(b), dmin = tf_f16(b + 2);
+            uint8_t sc[8], mn[8];
+            tf_scale_min_k4(b + 4, sc, mn);
+            const uint8_t *qh = b + 16, *qs = type == TF_Q4_K ? b + 16 : b + 48;
+            for (int sub = 0; sub < 8; sub++) {
+                const float a = d * (float)sc[sub], m = dmin * (float)mn[sub];
+                const uint8_t *qc = qs + (sub >> 1) * 32;
+                const int shift = 4 * (sub & 1);
+                float *ws = w + sub * 32;
+                if (type == TF_Q4_K) {
+                    for (int l = 0; l < 32; l++) ws[l] = a * (float)((qc[l] >> shift) & 0x0F) - m;
+                } else {
+                    for (int l = 0; l < 32; l++)
+                        ws[l] = a * (float)(((qc[l] >> shift) & 0x0F) | (((qh[l] >> sub) & 1) << 4)) - m;
+                }
+            }
+            break;
+        }
+        case TF_Q6_K: {
+            const uint8_t *ql = b, *qh = b + 128;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = tf_f16(b + 208);
+            float dl[16];
+            for (int j = 0; j < 16; j++) dl[j] = d * (float)sc[j];
+            /* ggml's order: per half of 128, weight s * 32 + l takes ql[l + 32 * (s & 1)]'s low (s < 2) or
+             * high nibble and bits 2s..2s+1 of qh[l]; loops without div/mod so they vectorize */
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *qlh = ql + h * 64, *qhh = qh + h * 32;
+                float *wh = w + h * 128;
+                const float *dh = dl + h * 8;
+                for (int l = 0; l < 32; l++) {
+                    const int a = qlh[l], c = qlh[l + 32], e = qhh[l], g = l >> 4;
+                    wh[l] = dh[g] * (float)(((a & 15) | ((e & 3) << 4)) - 32);
+                    wh[l + 32] = dh[2 + g] * (float)(((c & 15) | (((e >> 2) & 3) << 4)) - 32);
+                    wh[l + 64] = dh[4 + g] * (float)(((a >> 4) | (((e >> 4) & 3) << 4)) - 32);
+                    wh[l + 96] = dh[6 + g] * (float)(((c >> 4) | (((e >> 6) & 3) << 4)) - 32);
+                }
+            }
+            break;
+        }
+        default:
+            memset(w, 0, 256 * sizeof(float));
+    }
+}
+
+/* The whole [N, K] weight as float32 (the big-batch path: expand once, then a float GEMM). */
+void tf_kdequant(float *out, const uint8_t *raw, int64_t N, int64_t K, int64_t type) {
+    const int64_t bb = tf_kquant_block_bytes(type), nsb = K / 256;
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 16))
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t s = 0; s < nsb; s++) tf_kdecode(raw + (n * nsb + s) * bb, type, out + n * K + s * 256);
+}
+
+static inline float tf_dot256(const float *a, const float *b) {
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int i = 0; i < 256; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* One output row of a K-quant weight (`row`: its super-blocks) for M activation rows (M a constant at
+ * each call site): each super-block expanded to 256 floats once, then dotted with every activation row
+ * into A vector accumulators per row, kept across the super-blocks, so the FMAs form M * A independent
+ * chains (one chain per row and super-block, as before, was latency-bound: ~4x slower at 8 rows) and
+ * each row is summed horizontally once. A = 4 / 2 / 1 for up to 2 / 4 / 8 rows keeps them in registers. */
+static inline __attribute__((always_inline)) void tf_kgemm_row(const int M, float *out, const float *x, int64_t K,
+                                                              const uint8_t *row, int64_t type, int64_t bb) {
+    const int A = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+    float w[256] __attribute__((aligned(32)));
+    __m256 acc[TF_MAX_ROWS][4];
+    for (int r = 0; r < M; r++)
+        for (int a = 0; a < A; a++) acc[r][a] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < K / 256; s++) {
+        const float *xs = x + s * 256;
+        if (type == TF_Q4_K) {
+            /* Q4_K without the float row: each 8 quant bytes give 8 weights of sub-block 2p (low nibbles)
+             * and 8 of 2p + 1 (high), a * q - m in registers, straight into the FMAs */
+            const uint8_t *b = row + s * bb;
+            const float d = tf_f16(b), dmin = tf_f16(b + 2);
+            uint8_t sc[8], mn[8];
+            tf_scale_min_k4(b + 4, sc, mn);
+            const __m256i m4 = _mm256_set1_epi32(0x0F);
+            for (int p = 0; p < 4; p++) {
+                const __m256 alo = _mm256_set1_ps(d * (float)sc[2 * p]), mlo = _mm256_set1_ps(dmin * (float)mn[2 * p]);
+                const __m256 ahi = _mm256_set1_ps(d * (float)sc[2 * p + 1]);
+                const __m256 mhi = _mm256_set1_ps(dmin * (float)mn[2 * p + 1]);
+                for (int l = 0; l < 32; l += 8) {
+                    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 + p * 32 + l)));
+                    const __m256 wlo = _mm256_fmsub_ps(alo, _mm256_cvtepi32_ps(_mm256_and_si256(q, m4)), mlo);
+                    const __m256 whi = _mm256_fmsub_ps(ahi, _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), mhi);
+                    for (int r = 0; r < M; r++) {
+                        const float *xr = xs + r * K + p * 64 + l;
+                        acc[r][0] = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(xr), acc[r][0]);
+                        acc[r][A - 1] = _mm256_fmadd_ps(whi, _mm256_loadu_ps(xr + 32), acc[r][A - 1]);
+                    }
+                }
+            }
+            continue;
+        }
+        if (type == TF_Q6_K) {
+            /* Q6_K the same way: per half of 128, 8 bytes of ql (and of ql + 32) and of qh give 8 weights in
+             * each of its four runs of 32 (tf_kdecode's order and arithmetic, so the same weight values) */
+            const uint8_t *b = row + s * bb;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = tf_f16(b + 208);
+            const __m256i m4 = _mm256_set1_epi32(0x0F), m3 = _mm256_set1_epi32(3), k32 = _mm256_set1_epi32(32);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = b + h * 64, *qh = b + 128 + h * 32;
+                for (int l = 0; l < 32; l += 8) {
+                    const int g = h * 8 + (l >> 4);
+                    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + l)));
+                    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 32 + l)));
+                    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + l)));
+                    const __m256i q[4] = {
+                        _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi32(_mm256_and_si256(e, m3), 4)),
+                        _mm256_or_si256(_mm256_and_si256(c, m4),
+                                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(e, 2), m3), 4)),
+                        _mm256_or_si256(_mm256_srli_epi32(a, 4),
+                                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(e, 4), m3), 4)),
+                        _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_slli_epi32(_mm256_srli_epi32(e, 6), 4))};
+                    for (int j = 0; j < 4; j++) {
+                        const __m256 wv = _mm256_mul_ps(_mm256_set1_ps(d * (float)sc[g + 2 * j]),
+                                                        _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], k32)));
+                        for (int r = 0; r < M; r++)
+                            acc[r][j & (A - 1)] = _mm256_fmadd_ps(
+                                wv, _mm256_loadu_ps(xs + r * K + h * 128 + j * 32 + l), acc[r][j & (A - 1)]);
+                    }
+                }
+            }
+            continue;
+        }
+        tf_kdecode(row + s * bb, type, w);
+        for (int i = 0; i < 256; i += 8 * A)
+            for (int a = 0; a < A; a++) {
+                const __m256 wv = _mm256_load_ps(w + i + 8 * a);
+                for (int r = 0; r < M; r++)
+                    acc[r][a] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs + r * K + i + 8 * a), acc[r][a]);
+            }
+    }
+    for (int r = 0; r < M; r++) {
+        __m256 t = acc[r][0];
+        for (int a = 1; a < A; a++) t = _mm256_add_ps(t, acc[r][a]);
+        out[r] = tf_hsum(t);
+    }
+}
+#endif
+
+/* y[M, N] = x[M, K] @ W^T for a K-quant W [N, K / 256 super-blocks]; 8 activation rows per pass. */
+void tf_kgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *raw, int64_t type) {
+    if (M > TF_MAX_ROWS) {
+        for (int64_t r0 = 0; r0 < M; r0 += TF_MAX_ROWS)
+            tf_kgemm(y + r0 * N, x + r0 * K, M - r0 < TF_MAX_ROWS ? M - r0 : TF_MAX_ROWS, K, N, raw, type);
+        return;
+    }
+    const int64_t bb = tf_kquant_block_bytes(type), nsb = K / 256;
+#pragma omp parallel for schedule(static) if (N >= 64)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = raw + n * nsb * bb;
+        float acc[TF_MAX_ROWS] = {0};
+#if defined(__AVX2__) && defined(__FMA__)
+        switch (M) {
+            case 1: tf_kgemm_row(1, acc, x, K, row, type, bb); break;
+            case 2: tf_kgemm_row(2, acc, x, K, row, type, bb); break;
+            case 3: tf_kgemm_row(3, acc, x, K, row, type, bb); break;
+            case 4: tf_kgemm_row(4, acc, x, K, row, type, bb); break;
+            case 5: tf_kgemm_row(5, acc, x, K, row, type, bb); break;
+            case 6: tf_kgemm_row(6, acc, x, K, row, type, bb); break;
+            case 7: tf_kgemm_row(7, acc, x, K, row, type, bb); break;
+            default: tf_kgemm_row(8, acc, x, K, row, type, bb); break;
+        }
+#else
+        float w[256] __attribute__((aligned(32)));
+        for (int64_t s = 0; s < nsb; s++) {
+            tf_kdecode(row + s * bb, type, w);
+            for (int64_t r = 0; r < M; r++) acc[r] += tf_dot256(w, x + r * K + s * 256);
+        }
+#endif
+        for (int64_t r = 0; r < M; r++) y[r * N + n] = acc[r];
+    }
+}
