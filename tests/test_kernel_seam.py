@@ -11,8 +11,8 @@ from tokenfab import kernels
 from tokenfab.kernels import linear as seam
 from tokenfab.kernels.tuning import KernelTable, select_kernels
 from tokenfab.model.layers import FloatLinear
-from tokenfab.quant.kquants import KQUANT_LINEAR_TYPES
-from tokenfab.quant.linear import Int4Linear, Int8Linear, Q8_0Linear, W8A8Linear
+from tokenfab.quant.kquants import KQUANT_LINEAR_TYPES, quantize_q4_k
+from tokenfab.quant.linear import Int4BlockLinear, Int4Linear, Int8Linear, Q8_0Linear, W8A8Linear
 
 ROWS = (1, 7, 16, 17, 64, 512)
 
@@ -31,6 +31,8 @@ def _layers():
         # K-quant super-blocks are 256 wide (the other K-quant types: tests/test_kquant.py, from random blocks)
         "q4_k": KQUANT_LINEAR_TYPES["Q4_K"].from_float(w[:, :512]),
         "q6_k": KQUANT_LINEAR_TYPES["Q6_K"].from_float(w[:, :512]),
+        # a GGUF Q4_K tensor as the loader builds it: int4 blocks in the C kernels' layout
+        "q4_k-int4": Int4BlockLinear.from_q4_k(quantize_q4_k(w[:, :512].numpy()), 96, 512),
     }
 
 

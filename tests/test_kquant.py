@@ -53,6 +53,45 @@ def test_each_kquant_kernel_matches_gguf_dequantize_then_float_matmul(kind, toke
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max())), name
 
 
+@pytest.mark.parametrize("rows,cols", [(8, QK), (24, 2048), (4, 8192)])   # the 1B geometry's input widths too
+def test_q4_k_loads_into_int4_blocks_that_decode_to_gguf_floats_bit_for_bit(rows, cols):
+    from tokenfab.quant.linear import Int4BlockLinear, gguf_linear
+    raw = random_blocks("Q4_K", rows, cols, seed=cols)
+    ref = torch.from_numpy(reference_dequantize(raw, "Q4_K", rows, cols))
+    layer = gguf_linear(raw, "Q4_K", rows, cols)
+    assert isinstance(layer, Int4BlockLinear) and layer.weight_format == "int4"
+    assert torch.equal(layer.dequantize(), ref)
+    ids = torch.tensor([[rows - 1, 0], [1, 1]])
+    assert torch.equal(layer.embedding(ids), ref[ids])
+    # 6 bits per weight: the codes and a float32 scale and offset per 32; the kernels read these buffers
+    assert layer.weight_bytes() == rows * cols * 6 // 8
+    q, d, m, gs, bits = layer.cpu_layout()
+    assert (q.data_ptr(), d.data_ptr(), m.data_ptr(), gs, bits) == (
+        layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.offsets.data_ptr(), 32, 4)
+
+
+@needs_c
+@pytest.mark.parametrize("out_features,cols", [(64, 2048), (16, 8192)])   # the 1B geometry's input widths
+def test_q4_k_int4_blocks_run_every_int4_kernel_against_the_float_reference(out_features, cols):
+    from tokenfab.kernels import linear as seam
+    from tokenfab.quant.linear import gguf_linear
+    raw = random_blocks("Q4_K", out_features, cols, seed=3)
+    w = torch.from_numpy(reference_dequantize(raw, "Q4_K", out_features, cols)).double()
+    layer = gguf_linear(raw, "Q4_K", out_features, cols)
+    ran = []
+    for k in seam.registered("int4"):
+        if k.supports(layer) is not None:
+            continue
+        layer.plan = seam.forced_plan(layer, k.name)
+        ran.append(k.name)
+        for tokens in (1, 7, 16, 17, 64, 512):
+            x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+            ref = (x.double() @ w.T).float()
+            err = float((layer(x) - ref).abs().max() / ref.abs().max())
+            assert err < (5e-2 if k.lossy else 4e-4), (k.name, tokens, err)
+    assert "qgemm" in ran
+
+
 @pytest.mark.parametrize("kind,quantize,max_rel_err", [("Q4_K", quantize_q4_k, 0.12), ("Q6_K", quantize_q6_k, 0.03)])
 def test_kquant_quantizers_write_blocks_gguf_reads_back_close_to_the_weights(kind, quantize, max_rel_err):
     w = np.random.default_rng(0).standard_normal((32, 2 * QK)).astype(np.float32)
@@ -177,7 +216,8 @@ def test_engine_on_kquant_layers_gives_the_float_greedy_tokens_batched_and_alone
     llm = LLM(loaded=kquant_files, quantization="gguf", max_model_len=256, num_kv_blocks=64, kernel_autotune=False)
     model = llm.engine.model
     kinds = {type(m).__name__ for m in model.modules()}
-    assert {"Q4_KLinear", "Q6_KLinear", "ConcatLinear"} <= kinds     # q/k Q4_K + v Q6_K: a mixed qkv
+    # q/k Q4_K (loaded as int4 blocks) + v Q6_K: a mixed qkv
+    assert {"Int4BlockLinear", "Q6_KLinear", "ConcatLinear"} <= kinds
     assert isinstance(model.layers[0].self_attn.qkv_proj, ConcatLinear)
     assert type(model.layers[0].mlp.down_proj).__name__ == "Q6_KLinear"
     assert _greedy(llm, PROMPTS) == ref

@@ -15,6 +15,9 @@ measured table, tokenfab/kernels/tuning.py):
   budget allows (counted as a float copy).
 - **dequant**: expanded per call (tf_kdequant), then F.linear.
 
+A GGUF file's Q4_K tensors load as int4 blocks instead (`q4_k_as_int4_blocks` below, `Int4BlockLinear` in
+tokenfab/quant/linear.py): lossless, and run by the int4 kernels. `Q4_KLinear` remains for the `q4_k` scheme.
+
 `quantize_q4_k` / `quantize_q6_k` write float weights into Q4_K / Q6_K blocks (round to nearest in the
 block layout; gguf's Python package has no K-quant quantizer): the `q4_k` and `q6_k` schemes of
 `tokenfab quant`.
@@ -113,6 +116,27 @@ QUANTIZERS = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
 
 
 # ---------------------------------------------------------------------------------------- layers
+def q4_k_as_int4_blocks(data, out_features: int, in_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks -> int4 blocks of 32 in tf_qgemm's layout: (nibbles uint8 [out, in / 2] in GGUF's
+    Q4_0 order, d float32 [out, in / 32], m float32 [out, in / 32]) with d * q + m equal, bit for bit, to
+    gguf's dequantization (d * sc) * q - dmin * mn. A super-block's 128 code bytes hold sub-blocks 2c (low
+    nibbles) and 2c + 1 (high nibbles) in 32-byte chunks c; each sub-block is re-packed with weight j
+    in the low nibble of byte j and weight j + 16 in the high one."""
+    import gguf
+    arr = check_blocks(data, "Q4_K", out_features, in_features)
+    b = arr.reshape(-1, BLOCK_BYTES["Q4_K"])                                  # one super-block a row
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)                  # [S, 1]
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))   # [S, 8] each, 6-bit
+    chunks = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    w = (chunks & 0x0F).reshape(-1, 32)                                       # one sub-block of codes a row
+    qs = w[:, :16] | (w[:, 16:] << 4)
+    nb = in_features // 32
+    return (qs.reshape(out_features, in_features // 2),
+            (d * sc.astype(np.float32)).reshape(out_features, nb),
+            -(dmin * mn.astype(np.float32)).reshape(out_features, nb))
+
+
 class KQuantLinear(QuantLinear):
     """A K-quant weight as stored in the GGUF file (see the module docstring)."""
     ggml_type: ClassVar[str]

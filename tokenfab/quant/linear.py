@@ -5,6 +5,8 @@
 - `Int4Linear`: int4 in groups along `in`, asymmetric, optionally with an AWQ input scale
   (schemes "int4-g*", "awq-int4-g*").
 - `Q4_0Linear`, `Q4_1Linear`: GGUF blocks as shipped, run by the int4 kernels without requantizing.
+- `Int4BlockLinear`: int4 blocks of 32 in the C kernels' own layout (w = d * q + m); GGUF's Q4_K loads
+  into it losslessly.
 - `Q8_0Linear`: GGUF int8 blocks of 32 with one scale each. torch has no int8 kernel with group
   scales, so the packed path splits each int8 q into two nibbles, q = 16 * hi + lo, and runs both
   halves through the int4 kernel at once (scale 16 d for hi, scale d for lo): exact, and 1 byte/weight.
@@ -228,6 +230,82 @@ class Q4_1Linear(Int4Linear):
         return cls(q, d, m + 8 * d, gguf_blocks.BLOCK, in_features, bias)
 
 
+class Int4BlockLinear(QuantLinear):
+    """int4 blocks of 32 along `in`, stored exactly as the C kernels read them (tf_qgemm's int4 layout): GGUF's
+    nibble order (byte j of a block holds weight j low, weight j + 16 high) and a float32 scale d and
+    offset m per block, w = d * q + m with q 0..15. `cpu_layout` hands these buffers over as they are, so
+    the kernels keep no second copy of the weights.
+
+    GGUF's Q4_K is built this way at load (`from_q4_k`): a Q4_K sub-block of 32 is 4-bit codes with the
+    scale d * sc and the minimum dmin * mn (fp16 super-block scales times 6-bit ones, each product exact
+    in float32), so the blocks decode to the same floats, bit for bit, as gguf's dequantizer computes,
+    and every int4 kernel runs them: 6 bits per weight in memory instead of the file's 4.5."""
+    weight_format = "int4"
+    group_size = gguf_blocks.BLOCK
+
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, in_features: int,
+                 bias: torch.Tensor | None = None, source: str = "int4"):
+        super().__init__(in_features, qs.shape[0], bias)
+        assert qs.dtype == torch.uint8 and qs.shape[1] * 2 == in_features and in_features % self.group_size == 0
+        self.source = source
+        self.register_buffer("qweight", qs.contiguous())                       # [out, in / 2]
+        self.register_buffer("scales", d.float().contiguous())                 # [out, in / 32]
+        self.register_buffer("offsets", m.float().contiguous())                # [out, in / 32]
+
+    @classmethod
+    def from_q4_k(cls, blocks, out_features: int, in_features: int, bias: torch.Tensor | None = None):
+        from tokenfab.quant.kquants import q4_k_as_int4_blocks
+        qs, d, m = q4_k_as_int4_blocks(blocks, out_features, in_features)
+        return cls(torch.from_numpy(qs), torch.from_numpy(d), torch.from_numpy(m), in_features, bias, "Q4_K")
+
+    @classmethod
+    def empty(cls, cfg: dict) -> "Int4BlockLinear":
+        n, k = cfg["out_features"], cfg["in_features"]
+        g = k // cls.group_size
+        return cls(torch.zeros(n, k // 2, dtype=torch.uint8), torch.ones(n, g), torch.zeros(n, g), k,
+                   torch.zeros(n) if cfg["bias"] else None, cfg.get("source", "int4"))
+
+    def config(self):
+        return {**super().config(), "source": self.source}
+
+    def unpacked_q(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Codes 0..15 as uint8 [rows, in], in weight order."""
+        qs = self.qweight if rows is None else self.qweight[rows]
+        b = qs.view(qs.shape[0], -1, 16)
+        return torch.cat([b & 0x0F, b >> 4], dim=2).view(qs.shape[0], self.in_features)
+
+    def _rows(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype) -> torch.Tensor:
+        n = q.shape[0]
+        w = q.view(n, -1, self.group_size).float() * d[..., None] + m[..., None]     # d * q + m, in float32
+        return w.view(n, self.in_features).to(dtype)
+
+    def dequantize(self, dtype=torch.float32):
+        return self._rows(self.unpacked_q(), self.scales, self.offsets, dtype)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` decoded: a tied token embedding served from these blocks keeps no float copy."""
+        flat = ids.reshape(-1)
+        w = self._rows(self.unpacked_q(flat), self.scales[flat], self.offsets[flat], dtype)
+        return w.reshape(*ids.shape, self.in_features)
+
+    def packed_supported(self):
+        return kernels.int4pack_supported(self.out_features, self.in_features, self.group_size)
+
+    def cpu_layout(self):
+        return self.qweight, self.scales, self.offsets, self.group_size, 4
+
+    def build_packed(self):       # torch's int4 packing: w = (q - 8) * s + z, so z = m + 8 d
+        return (kernels.pack_int4(self.unpacked_q()),
+                kernels.int4_scales_and_zeros(self.scales, self.offsets + 8 * self.scales))
+
+    def packed_matmul(self, state, x):
+        packed, sz = state
+        return kernels.int4pack_linear(x, packed, self.group_size, sz, self.in_features)
+
+    def extra_repr(self):
+        return super().extra_repr() + f", gguf={self.source}" * (self.source != "int4")
+
+
 class Q8_0Linear(QuantLinear):
     """GGUF Q8_0 as shipped: w = d[row, g] * q in blocks of 32 (q int8)."""
     weight_format = "q8_0"
@@ -295,7 +373,8 @@ class Q5_0Linear(Q8_0Linear):
 
 
 LINEAR_TYPES: dict[str, type[QuantLinear]] = {
-    c.__name__: c for c in (Int8Linear, W8A8Linear, Int4Linear, Q4_0Linear, Q4_1Linear, Q8_0Linear, Q5_0Linear)}
+    c.__name__: c for c in (Int8Linear, W8A8Linear, Int4Linear, Int4BlockLinear, Q4_0Linear, Q4_1Linear, Q8_0Linear,
+                            Q5_0Linear)}
 
 
 GGUF_LINEAR_TYPES: dict[str, type[QuantLinear]] = {"Q4_0": Q4_0Linear, "Q4_1": Q4_1Linear, "Q8_0": Q8_0Linear,
@@ -308,6 +387,8 @@ def gguf_linear(data, type_name: str, out_features: int, in_features: int,
     dequantized. `data` is `GGUFReader`'s uint8 [rows, bytes]; rows can be permuted or concatenated
     (e.g. q, k and v into one fused projection) before the call, since each row's blocks stand alone."""
     from tokenfab.quant.kquants import KQUANT_LINEAR_TYPES     # K-quants: Q2_K..Q6_K as stored
+    if type_name == "Q4_K":                                     # Q4_K: the int4 kernels' layout, lossless
+        return Int4BlockLinear.from_q4_k(data, out_features, in_features, bias)
     cls = GGUF_LINEAR_TYPES.get(type_name) or KQUANT_LINEAR_TYPES.get(type_name)
     return None if cls is None else cls.from_gguf(data, out_features, in_features, bias)
 
