@@ -50,7 +50,9 @@ def test_each_kquant_kernel_matches_gguf_dequantize_then_float_matmul(kind, toke
     for name in ("qgemm", "dequant", "float"):
         layer.kernel = name
         got = layer(x)
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max())), name
+        # Q6_K's qgemm on AVX2 rounds activations to int16 blocks of 32, as qgemm does for int4 / int8 layouts
+        tol = 1e-4 if (name, kind) == ("qgemm", "Q6_K") and kernels.isa() else 1e-5
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol * float(ref.abs().max())), name
 
 
 @pytest.mark.parametrize("rows,cols", [(8, QK), (24, 2048), (4, 8192)])   # the 1B geometry's input widths too
@@ -71,15 +73,19 @@ def test_q4_k_loads_into_int4_blocks_that_decode_to_gguf_floats_bit_for_bit(rows
 
 
 @needs_c
+@pytest.mark.parametrize("isa", list(kernels.ISA_VARIANTS), indirect=True)
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])                       # a Q4_K_M file's two types
 @pytest.mark.parametrize("out_features,cols", [(64, 2048), (16, 8192)])   # the 1B geometry's input widths
-def test_q4_k_int4_blocks_run_every_int4_kernel_against_the_float_reference(out_features, cols):
+def test_1b_shaped_kquant_layers_run_every_kernel_against_the_float_reference(out_features, cols, kind, isa):
+    """The layer the loader builds from a file's blocks (Q4_K: int4 blocks; Q6_K: as stored), with each
+    kernel that takes it on this build, at 1-512 tokens."""
     from tokenfab.kernels import linear as seam
     from tokenfab.quant.linear import gguf_linear
-    raw = random_blocks("Q4_K", out_features, cols, seed=3)
-    w = torch.from_numpy(reference_dequantize(raw, "Q4_K", out_features, cols)).double()
-    layer = gguf_linear(raw, "Q4_K", out_features, cols)
+    raw = random_blocks(kind, out_features, cols, seed=3)
+    w = torch.from_numpy(reference_dequantize(raw, kind, out_features, cols)).double()
+    layer = gguf_linear(raw, kind, out_features, cols)
     ran = []
-    for k in seam.registered("int4"):
+    for k in seam.registered(layer.weight_format):
         if k.supports(layer) is not None:
             continue
         layer.plan = seam.forced_plan(layer, k.name)

@@ -7,8 +7,9 @@
  *   Q4_K (12), 144 bytes: d, dmin, scales[12] (8 x 6-bit scale + 8 x 6-bit min), qs[128] nibbles
  *   Q5_K (13), 176 bytes: d, dmin, scales[12], qh[32] (fifth bits), qs[128]
  *   Q6_K (14), 210 bytes: ql[128] nibbles, qh[64] 2-bit highs, scales[16] int8, d
- * Activations stay float32: a super-block is expanded into 256 floats on the stack once per weight row
- * and dotted with up to 8 activation rows while it is in L1. */
+ * Q6_K on AVX2 builds runs in integers against int16 activation blocks, as tf_qgemm's int4 / int8 layouts
+ * do (tf_q6k below). The other types' activations stay float32: a super-block is expanded into 256 floats
+ * on the stack once per weight row and dotted with up to 8 activation rows while it is in L1. */
 #include "common.h"
 
 int64_t tf_kquant_block_bytes(int64_t type) {
@@ -201,6 +202,83 @@ static inline __attribute__((always_inline)) void tf_kgemm_row(const int M, floa
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* Q6_K in integers, tf_qgemm's way: the activations as int16 per block of 32 (scale max|x| / 32767,
+ * tf_quantize_blocks), the weights' 6-bit codes minus 32 as int16, and each 16-weight sub-block's dot an
+ * exact int32 (vpmaddwd: |w| <= 32, |x| <= 32767) scaled by d * sc (exact in float32) times the block's
+ * activation scale. Float expansion (tf_kgemm_row) is compute-bound on AVX2; this reads the blocks about
+ * twice as fast. A run of 32 weights (h, j) is 32 bytes of ql nibbles and 2 bits of each qh byte: weight
+ * h * 128 + j * 32 + l has ql[h * 64 + l + 32 (j & 1)] >> 4 (j >> 1) and qh[h * 32 + l] >> 2j; its first
+ * 16 weights take scale sc[h * 8 + 2j], the next 16 sc[h * 8 + 2j + 1]. */
+typedef struct {
+    const uint8_t *raw;
+    const int16_t *xq;
+    const float *dx;
+    int64_t M, K;
+} tf_q6k_job;
+
+static inline __attribute__((always_inline)) void tf_q6k_row(const int M, float *out, const int16_t *xq,
+                                                            const float *dx, int64_t K, const uint8_t *row) {
+    const int64_t nsb = K / 256, nb = K / 32;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi16(32);
+    __m256 acc[TF_MAX_ROWS];
+    for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *blk = row + s * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = tf_f16(blk + 208);
+        for (int h = 0; h < 2; h++) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
+            for (int j = 0; j < 4; j++) {
+                const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + (j & 1) * 32));
+                const __m256i lo = _mm256_and_si256(j >> 1 ? _mm256_srli_epi16(ql, 4) : ql, m4);
+                const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), m2);
+                const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+                const __m256i wa = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(u)), off);
+                const __m256i wb = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1)), off);
+                const float sa = d * (float)sc[h * 8 + 2 * j], sb = d * (float)sc[h * 8 + 2 * j + 1];
+                const int64_t b = s * 8 + h * 4 + j;
+                for (int r = 0; r < M; r++) {
+                    const __m256i *xr = (const __m256i *)(xq + r * K + b * 32);
+                    const float e = dx[r * nb + b];
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(wa, _mm256_loadu_si256(xr))),
+                                             _mm256_set1_ps(sa * e), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(wb, _mm256_loadu_si256(xr + 1))),
+                                             _mm256_set1_ps(sb * e), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < M; r++) out[r] = tf_hsum(acc[r]);
+}
+
+static void tf_q6k_cols(const void *job, int64_t n0, int64_t n1, float *y, int64_t ys) {
+    const tf_q6k_job *J = (const tf_q6k_job *)job;
+    const int64_t M = J->M, row_bytes = J->K / 256 * 210;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = J->raw + n * row_bytes;
+        /* 4 rows ahead, as tf_qgemm_cols: short rows do not keep the hardware prefetchers ahead */
+        for (int64_t l = 0; l < row_bytes; l += 64) __builtin_prefetch(row + 4 * row_bytes + l, 0, 3);
+        float out[TF_MAX_ROWS];
+        TF_ROWS_SWITCH(tf_q6k_row, out, J->xq, J->dx, J->K, row)
+        for (int64_t r = 0; r < M; r++) y[r * ys + n - n0] = out[r];
+    }
+}
+
+/* y[M <= TF_MAX_ROWS, N] = x @ W^T for a Q6_K W, on the decode GEMMs' pool (tf_cols). */
+static void tf_q6k(float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *raw) {
+    const int64_t nb = K / 32;
+    /* the activations' copies live in this thread's scratch, never freed (tf_cols: a late worker may read them) */
+    const size_t nxq = (size_t)(M * K) * sizeof(int16_t);
+    char *buf = (char *)tf_scratch(TF_UP64(nxq) + (size_t)(M * nb) * sizeof(float));
+    int16_t *xq = (int16_t *)buf;
+    float *dx = (float *)(buf + TF_UP64(nxq));
+    for (int64_t r = 0; r < M; r++) tf_quantize_blocks(x + r * K, K, xq + r * K, dx + r * nb);
+    const tf_q6k_job job = {raw, xq, dx, M, K};
+    tf_cols(tf_q6k_cols, &job, sizeof job, M, N, y);
+}
+#endif
+
 /* y[M, N] = x[M, K] @ W^T for a K-quant W [N, K / 256 super-blocks]; 8 activation rows per pass. */
 void tf_kgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *raw, int64_t type) {
     if (M > TF_MAX_ROWS) {
@@ -208,6 +286,12 @@ void tf_kgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const u
             tf_kgemm(y + r0 * N, x + r0 * K, M - r0 < TF_MAX_ROWS ? M - r0 : TF_MAX_ROWS, K, N, raw, type);
         return;
     }
+#if defined(__AVX2__) && defined(__FMA__)
+    if (type == TF_Q6_K) {
+        tf_q6k(y, x, M, K, N, raw);
+        return;
+    }
+#endif
     const int64_t bb = tf_kquant_block_bytes(type), nsb = K / 256;
 #pragma omp parallel for schedule(static) if (N >= 64)
     for (int64_t n = 0; n < N; n++) {
