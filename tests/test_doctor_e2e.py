@@ -60,6 +60,9 @@ def test_doctor_names_kv_capacity_on_a_server_with_a_tiny_kv_pool_under_load(tmp
         # preemptions inside the 5 s window depend on the machine's speed; the server's count is >0 (waited for)
         assert "of 8 blocks" in kv["evidence"][0]
         assert doc["measured"]["config"]["num_kv_blocks"] == 8
+        # what each linear shape runs, for decode_efficiency: the bundled model's 30 layers x 4 and the head
+        plans = json.loads(doc["measured"]["config"]["linear_plans"])
+        assert sum(n for n, _ in plans.values()) == 30 * 4 + 1 and all(ranges for _, ranges in plans.values())
         assert "kv_capacity" in [f["kind"] for f in page["findings"]], page
         # Every request finished or was aborted with its blocks: the pool is empty again.
         metrics = httpx.get(f"{url}/metrics", trust_env=False).text

@@ -189,3 +189,48 @@ def test_report_json_holds_findings_and_says_what_it_could_not_judge():
     assert [f["kind"] for f in doc["findings"]] == ["kv_capacity"]
     assert any("--hardware" in n for n in doc["notes"]) and any("--bench" in n for n in doc["notes"])
     json.dumps(doc)
+
+
+def test_decode_efficiency_named_with_the_fraction_of_the_roofline_when_steps_run_far_below_it(dep):
+    """A batch of 8 whose steps take 6x the roofline's (the 1B Q4_K_M case: 163 ms against 24 ms) is the
+    bottleneck even with nothing else wrong; 2.5x stays healthy (test above)."""
+    w = window(running=8, itl_s=6 * ceiling(dep, 8))
+    findings, _ = rules.diagnose(w, dep=dep)
+    assert kinds(findings) == ["decode_efficiency"]
+    f = findings[0]
+    assert f.numbers["fraction_of_roofline"] == pytest.approx(1 / 6, rel=0.02)
+    assert "17% of their roofline" in f.evidence[0] and "--num-threads" in " ".join(f.advice)
+
+
+def test_decode_efficiency_names_the_slowest_kernels_and_takes_small_batches_from_host_overhead(dep):
+    step = 5 * ceiling(dep, 2)
+    # the kernel table's times at this batch: the linear kernels explain 80 % of the step
+    kernels = [("q6_k:2048x8192", 8, "qgemm", 0.5 * step), ("int4:16384x2048", 16, "qgemm", 0.3 * step)]
+    w = window(running=2, itl_s=step)
+    findings, _ = rules.diagnose(w, dep=dep, kernels=kernels)
+    assert kinds(findings) == ["decode_efficiency"]             # not also host_overhead
+    f = findings[0]
+    assert f.numbers["kernel_s"] == pytest.approx(0.8 * step)
+    assert "q6_k:2048x8192 x8 on qgemm" in f.evidence[1] and "80%" in f.evidence[1]
+    assert f.advice[0].startswith("q6_k:2048x8192 runs qgemm")
+    # kernels that explain little of a small batch's step: the host's time, as before
+    few = [("int4:16384x2048", 16, "qgemm", 0.1 * step)]
+    assert kinds(rules.diagnose(w, dep=dep, kernels=few)[0]) == ["host_overhead"]
+
+
+def test_kernel_times_read_the_servers_plans_and_its_kernel_table(tmp_path):
+    from tokenfab.kernels.tuning import KernelTable
+    path = tmp_path / "table.json"
+    table = KernelTable({"int4:16384x2048": {"rows": [1, 4, 8], "times": {"qgemm": [0.002, 0.004, 0.012],
+                                                                         "qmadd": [0.007, 0.010, 0.013]}},
+                         "q6_k:2048x8192": {"rows": [1, 4, 8], "times": {"qgemm": [0.003, 0.005, 0.01]}}},
+                        str(path))
+    table.save()
+    plans = {"int4:16384x2048": [16, [[4, "qgemm"], [None, "qmadd"]]], "q6_k:2048x8192": [8, [[None, "qgemm"]]],
+             "int4:2048x2048": [24, [[None, "qgemm"]]]}          # a shape the table has not measured: left out
+    config = {"kernel_table": str(path), "linear_plans": json.dumps(plans)}
+    got = report.kernel_times(config, batch=3)                  # 3 rows: the 4-row bucket, qgemm
+    assert got == [("int4:16384x2048", 16, "qgemm", pytest.approx(16 * 0.004)),
+                   ("q6_k:2048x8192", 8, "qgemm", pytest.approx(8 * 0.005))]
+    assert report.kernel_times(config, batch=6)[0] == ("int4:16384x2048", 16, "qmadd", pytest.approx(16 * 0.013))
+    assert report.kernel_times({**config, "kernel_table": str(tmp_path / "none.json")}, 1) is None

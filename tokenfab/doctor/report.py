@@ -41,9 +41,30 @@ def deployment_for(hardware: str, model: str | None, config: dict, hardware_file
     return Deployment.make(spec, hw, weight_dtype=w, kv_dtype=kv, act_dtype=act)
 
 
+def kernel_times(config: dict, batch: int) -> list | None:
+    """(shape, linears, kernel, seconds) per linear shape for a step of `batch` rows, from the server's
+    `linear_plans` label and its kernel table, when that file is on this machine; else None."""
+    import json
+
+    from tokenfab.kernels.tuning import KernelTable, step_time
+    path, plans = config.get("kernel_table"), config.get("linear_plans")
+    if not path or not plans or not os.path.exists(str(path)):
+        return None
+    try:
+        by_key = json.loads(plans)
+        table = KernelTable.load(str(path))
+    except (ValueError, OSError):
+        return None
+    return step_time(table, {k: v[1] for k, v in by_key.items()}, {k: v[0] for k, v in by_key.items()}, batch)
+
+
 def run(window: Window | None, bench: dict | None = None, dep=None) -> dict:
     """The `--json` document: measured numbers, the roofline used, findings in order."""
-    findings, m = diagnose(window, bench, dep)
+    kernels = None
+    if window is not None and dep is not None:
+        m = Measured.from_window(window)
+        kernels = kernel_times(m.config, max(1, round(m.running)))
+    findings, m = diagnose(window, bench, dep, kernels)
     return {"measured": m.to_dict() if m else None,
             "hardware": dep.hardware.name if dep else None,
             "model": dep.model.name if dep else None,

@@ -31,8 +31,11 @@ TAIL_BUCKET_RATIO = 2.0     # longest bucket's P99 over every shorter bucket's
 BW_BOUND_FRACTION = 0.5     # measured step within 2x of the bandwidth roofline
 OVERHEAD_RATIO = 3.0        # measured step over 3x the roofline's ...
 OVERHEAD_MAX_BATCH = 4      # ... at a batch this small
+OFF_ROOFLINE_RATIO = 3.0    # a memory-bound decode step this many times its roofline: the step is the bottleneck
+KERNEL_SHARE = 0.5          # ... and, at a small batch, the linear kernels' measured time is at least this share
 
-ORDER = ("kv_capacity", "queueing", "prefill_compute", "long_tail", "decode_bandwidth", "host_overhead")
+ORDER = ("kv_capacity", "queueing", "prefill_compute", "long_tail", "decode_bandwidth", "decode_efficiency",
+         "host_overhead")
 
 
 @dataclass(slots=True)
@@ -265,6 +268,45 @@ def decode_bandwidth(m: Measured, dep=None) -> Finding | None:
                     "fraction_of_roofline": achieved})
 
 
+def decode_efficiency(m: Measured, dep=None, kernels: list | None = None) -> Finding | None:
+    """Memory-bound decode steps several times their roofline: the step, not the load, is the bottleneck.
+    `kernels`: (shape, linears, kernel, seconds) per linear shape at this batch (tuning.step_time, from the
+    server's kernel table), slowest first, when the doctor could read them. At a small batch without
+    them, or with the kernels a minor share, the time is the host's (host_overhead) instead."""
+    got = _decode_ceiling(m, dep)
+    if got is None:
+        return None
+    batch, context, st = got
+    ratio = m.itl_mean_s / st.total_s
+    if st.bound != "memory" or ratio < OFF_ROOFLINE_RATIO:
+        return None
+    kernel_s = sum(k[3] for k in kernels or ())
+    if batch <= OVERHEAD_MAX_BATCH and kernel_s < KERNEL_SHARE * m.itl_mean_s:
+        return None
+    hw = dep.hardware
+    ev = [f"decode steps take {_ms(m.itl_mean_s)} at a batch of {batch}; reading the step's {st.bytes / 1e9:.2f} GB "
+          f"once at {hw.bandwidth * dep.eff.bandwidth / 1e9:.1f} GB/s on {hw.name} takes {_ms(st.total_s)}: the "
+          f"steps run at {1 / ratio:.0%} of their roofline ({ratio:.1f}x off it)."]
+    if kernels:
+        top = ", ".join(f"{key} x{n} on {kernel} ({_ms(s)}, {s / m.itl_mean_s:.0%})" for key, n, kernel, s in kernels[:3])
+        ev.append(f"the linear kernels take about {_ms(kernel_s)} of the step by the kernel table's measurements at "
+                  f"{batch} rows ({kernel_s / m.itl_mean_s:.0%}); the most: {top}.")
+    advice = []
+    if kernels:
+        key, _, kernel, _ = kernels[0]
+        advice.append(f"{key} runs {kernel}: another weight type whose kernels stream faster on this CPU "
+                      "(`python benchmarks/kernel_bandwidth.py` measures each GGUF type's GB/s; Q4_0 and Q8_0 run "
+                      "the integer kernels directly), or force another kernel with --linear-kernel NAME")
+    advice.append("--int8-activations lets the table take llama.cpp's int8-activation dot products (qdot) where "
+                  "they measure faster (lossy: `tokenfab quant eval` reports the KL)")
+    advice.append("fewer threads (--num-threads) when other processes share the cores: a thread that waits for "
+                  "a descheduled one costs every step")
+    return Finding("decode_efficiency", "Decode steps run far below their bandwidth roofline", ev, advice,
+                   {"batch": batch, "step_s": m.itl_mean_s, "roofline_step_s": st.total_s,
+                    "fraction_of_roofline": 1 / ratio, "kernel_s": kernel_s,
+                    "kernels": [list(k) for k in kernels or ()]})
+
+
 def host_overhead(m: Measured, dep=None) -> Finding | None:
     got = _decode_ceiling(m, dep)
     if got is None:
@@ -284,17 +326,19 @@ def host_overhead(m: Measured, dep=None) -> Finding | None:
                    {"batch": batch, "step_s": m.itl_mean_s, "roofline_step_s": st.total_s, "ratio": ratio})
 
 
-def diagnose(window: Window | None, bench: dict | None = None, dep=None) -> tuple[list[Finding], Measured | None]:
-    """Findings in ORDER, and the measured summary they came from.
+def diagnose(window: Window | None, bench: dict | None = None, dep=None,
+             kernels: list | None = None) -> tuple[list[Finding], Measured | None]:
+    """Findings in ORDER, and the measured summary they came from. `kernels`: decode_efficiency's.
 
     KV pressure makes requests wait too; when it is the cause, the queue is its evidence, not a
-    second finding."""
+    second finding. A step the kernels explain is not also blamed on the host."""
     findings: list[Finding] = []
     m = Measured.from_window(window) if window is not None else None
     if m is not None:
         kv = kv_capacity(m)
+        slow = decode_efficiency(m, dep, kernels)
         findings += [f for f in (kv, None if kv else queueing(m), prefill_compute(m, dep),
-                                 decode_bandwidth(m, dep), host_overhead(m, dep)) if f]
+                                 decode_bandwidth(m, dep), slow, None if slow else host_overhead(m, dep)) if f]
     tail = long_tail(bench)
     if tail:
         findings.append(tail)

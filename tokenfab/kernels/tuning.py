@@ -377,6 +377,7 @@ class KernelReport:
     measured_s: float
     table_path: str | None
     forced: str | None
+    ranges: dict[str, list[tuple[int | None, str]]] = field(default_factory=dict)   # shape key -> (max rows, kernel)
 
 
 def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int, autotune: bool = True,
@@ -447,7 +448,27 @@ def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int,
     float_bytes = sum(m.plan.float_copy_bytes() for m in layers)
     return KernelReport({k: build_describe(v) for k, v in chosen.items()}, {k: len(v) for k, v in by_key.items()},
                         float_bytes, weight_bytes, tbl.measured_s if tbl is not None else 0.0,
-                        tbl.path if tbl is not None else None, None if force == "auto" else force)
+                        tbl.path if tbl is not None else None, None if force == "auto" else force,
+                        {k: merge_ranges(v) for k, v in chosen.items()})
+
+
+def step_time(table: KernelTable, ranges: dict[str, list], layers: dict[str, int],
+              rows: int) -> list[tuple[str, int, str, float]]:
+    """Where a step of `rows` rows spends its linear-kernel time, from the table's measurements: (shape
+    key, linears of that shape, the kernel the plan runs at `rows`, seconds for all of them), slowest
+    first. A row count between the table's buckets takes the next bucket up's time (a bound from above);
+    shapes or kernels the table has not measured are left out."""
+    out = []
+    for key, plan in ranges.items():
+        e = table.entries.get(key)
+        kernel = next((name for top, name in plan if top is None or rows <= top), None)
+        if e is None or kernel not in e["times"]:
+            continue
+        i = next((i for i, r in enumerate(e["rows"]) if r >= rows), len(e["rows"]) - 1)
+        t = e["times"][kernel][i]
+        if t is not None:
+            out.append((key, layers.get(key, 1), kernel, t * layers.get(key, 1)))
+    return sorted(out, key=lambda x: -x[3])
 
 
 def build_describe(ranges: list[tuple[int | None, str]]) -> str:

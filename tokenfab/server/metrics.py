@@ -11,6 +11,8 @@ Each app gets its own registry, so several servers can live in one process (test
 """
 from __future__ import annotations
 
+import json
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -96,6 +98,11 @@ class _EngineCollector:
         if bm is not None:
             labels["num_kv_blocks"] = str(bm.num_blocks)
         labels["max_model_len"] = str(getattr(engine, "max_model_len", ""))
+        report = getattr(engine, "kernel_report", None)
+        if report is not None and report.ranges:      # what each linear shape runs, and the measurements behind it
+            labels["linear_plans"] = json.dumps({k: [report.layers.get(k, 1), v] for k, v in report.ranges.items()},
+                                                separators=(",", ":"))
+            labels["kernel_table"] = report.table_path or ""
         return labels
 
 
