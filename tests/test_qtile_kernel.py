@@ -38,7 +38,7 @@ def _layers():
     d = (torch.rand(96, 16, generator=g) * 1e-2).half().float()
     m = (-torch.rand(96, 16, generator=g) * 8e-2).half().float()
     q = torch.randint(0, 16, (96, 512), generator=g, dtype=torch.uint8)
-    layers["q4_1-f16"] = Q4_1Linear(q, d, m + 8 * d, 32, 512)
+    layers["q4_1-f16"] = Q4_1Linear.from_codes(q, d, m)
     layers["q8_0-f16"] = Q8_0Linear(torch.randint(-128, 128, (96, 512), generator=g, dtype=torch.int8), d)
     return layers
 
@@ -328,7 +328,7 @@ def test_qbf16_on_a_wide_layer_runs_every_thread_and_block_of_tiles():
     N, K = 16 * 129, 1024
     d = (torch.rand(N, K // 32, generator=g) * 1e-2).half().float()
     m = (-torch.rand(N, K // 32, generator=g) * 8e-2).half().float()
-    layer = Q4_1Linear(torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8), d, m + 8 * d, 32, K)
+    layer = Q4_1Linear.from_codes(torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8), d, m)
     state = _state(layer)
     wb = layer.dequantize(torch.float32).bfloat16().float()
     for rows in (40, 100):

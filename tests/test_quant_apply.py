@@ -200,7 +200,7 @@ def test_native_gguf_layers_round_trip_through_a_checkpoint(tmp_path):
     w = torch.randn(32, 64)
     q, s, z = quantize_int4(w, 32)
     # Build GGUF-style layers from decoded values directly (the file-based path is tested elsewhere)
-    q41 = Q4_1Linear(q, s, z, 32, 64)
+    q41 = Q4_1Linear.from_codes(q, s, z - 8 * s)
     q80 = Q8_0Linear(torch.randint(-127, 128, (64, 32), dtype=torch.int8), torch.rand(64, 1))
     model = nn.Sequential(q41, nn.ReLU(), nn.Linear(32, 32), q80)
     save_quantized(model, str(tmp_path))

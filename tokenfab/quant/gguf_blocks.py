@@ -50,16 +50,21 @@ def _nibbles(qs: np.ndarray, out_features: int, in_features: int) -> torch.Tenso
     return q.reshape(out_features, in_features)
 
 
+def _nibble_bytes(qs: np.ndarray, out_features: int, in_features: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(qs).reshape(out_features, in_features // 2))
+
+
 def decode_q4_0(data, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (q uint8 [out, in] values 0..15, d float32 [out, in / 32]); w = d * (q - 8)."""
+    """Returns (the nibble bytes as stored, uint8 [out, in / 2], d float32 [out, in / 32]); w = d * (q - 8)."""
     b = _blocks(data, out_features, in_features, "Q4_0")
-    return _nibbles(b[..., 2:], out_features, in_features), _fp16(b[..., 0:2])
+    return _nibble_bytes(b[..., 2:], out_features, in_features), _fp16(b[..., 0:2])
 
 
 def decode_q4_1(data, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (q uint8 [out, in] values 0..15, d float32, m float32 [out, in / 32]); w = d * q + m."""
+    """Returns (the nibble bytes as stored, uint8 [out, in / 2], d float32, m float32 [out, in / 32]);
+    w = d * q + m."""
     b = _blocks(data, out_features, in_features, "Q4_1")
-    return _nibbles(b[..., 4:], out_features, in_features), _fp16(b[..., 0:2]), _fp16(b[..., 2:4])
+    return _nibble_bytes(b[..., 4:], out_features, in_features), _fp16(b[..., 0:2]), _fp16(b[..., 2:4])
 
 
 def decode_q5_0(data, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:

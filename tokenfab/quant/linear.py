@@ -4,9 +4,8 @@
 - `W8A8Linear`: the same weights, and activations quantized to int8 per token (scheme "w8a8").
 - `Int4Linear`: int4 in groups along `in`, asymmetric, optionally with an AWQ input scale
   (schemes "int4-g*", "awq-int4-g*").
-- `Q4_0Linear`, `Q4_1Linear`: GGUF blocks as shipped, run by the int4 kernels without requantizing.
-- `Int4BlockLinear`: int4 blocks of 32 in the C kernels' own layout (w = d * q + m); GGUF's Q4_K loads
-  into it losslessly.
+- `Int4BlockLinear`: int4 blocks of 32 in the C kernels' own layout (w = d * q + m). `Q4_0Linear` and
+  `Q4_1Linear` are GGUF's blocks as shipped in it; GGUF's Q4_K loads into it losslessly.
 - `Q8_0Linear`: GGUF int8 blocks of 32 with one scale each. torch has no int8 kernel with group
   scales, so the packed path splits each int8 q into two nibbles, q = 16 * hi + lo, and runs both
   halves through the int4 kernel at once (scale 16 d for hi, scale d for lo): exact, and 1 byte/weight.
@@ -212,45 +211,37 @@ class Int4Linear(QuantLinear):
         return super().extra_repr() + f", group_size={self.group_size}, awq={self.input_scale is not None}"
 
 
-class Q4_0Linear(Int4Linear):
-    """GGUF Q4_0 as shipped: w = d * (q - 8) in blocks of 32, i.e. scale d and zero 0."""
-
-    @classmethod
-    def from_gguf(cls, data, out_features: int, in_features: int, bias: torch.Tensor | None = None) -> "Q4_0Linear":
-        q, d = gguf_blocks.decode_q4_0(data, out_features, in_features)
-        return cls(q, d, torch.zeros_like(d), gguf_blocks.BLOCK, in_features, bias)
-
-
-class Q4_1Linear(Int4Linear):
-    """GGUF Q4_1 as shipped: w = d * q + m in blocks of 32, i.e. scale d and zero m + 8 d."""
-
-    @classmethod
-    def from_gguf(cls, data, out_features: int, in_features: int, bias: torch.Tensor | None = None) -> "Q4_1Linear":
-        q, d, m = gguf_blocks.decode_q4_1(data, out_features, in_features)
-        return cls(q, d, m + 8 * d, gguf_blocks.BLOCK, in_features, bias)
-
-
 class Int4BlockLinear(QuantLinear):
     """int4 blocks of 32 along `in`, stored exactly as the C kernels read them (tf_qgemm's int4 layout): GGUF's
     nibble order (byte j of a block holds weight j low, weight j + 16 high) and a float32 scale d and
     offset m per block, w = d * q + m with q 0..15. `cpu_layout` hands these buffers over as they are, so
     the kernels keep no second copy of the weights.
 
+    GGUF's Q4_0 and Q4_1 blocks hold exactly this (the subclasses below keep the file's nibble bytes).
     GGUF's Q4_K is built this way at load (`from_q4_k`): a Q4_K sub-block of 32 is 4-bit codes with the
     scale d * sc and the minimum dmin * mn (fp16 super-block scales times 6-bit ones, each product exact
     in float32), so the blocks decode to the same floats, bit for bit, as gguf's dequantizer computes,
     and every int4 kernel runs them: 6 bits per weight in memory instead of the file's 4.5."""
     weight_format = "int4"
     group_size = gguf_blocks.BLOCK
+    source: ClassVar[str] = "int4"      # what the blocks came from (a GGUF type), for repr and checkpoints
 
     def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, in_features: int,
-                 bias: torch.Tensor | None = None, source: str = "int4"):
+                 bias: torch.Tensor | None = None, source: str | None = None):
         super().__init__(in_features, qs.shape[0], bias)
         assert qs.dtype == torch.uint8 and qs.shape[1] * 2 == in_features and in_features % self.group_size == 0
-        self.source = source
+        if source is not None:
+            self.source = source
         self.register_buffer("qweight", qs.contiguous())                       # [out, in / 2]
         self.register_buffer("scales", d.float().contiguous())                 # [out, in / 32]
         self.register_buffer("offsets", m.float().contiguous())                # [out, in / 32]
+
+    @classmethod
+    def from_codes(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None):
+        """From codes 0..15 in weight order, uint8 [out, in], and d, m float [out, in / 32]."""
+        n, k = q.shape
+        b = q.to(torch.uint8).view(n, k // 32, 2, 16)
+        return cls((b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2), d, m, k, bias)
 
     @classmethod
     def from_q4_k(cls, blocks, out_features: int, in_features: int, bias: torch.Tensor | None = None):
@@ -263,7 +254,7 @@ class Int4BlockLinear(QuantLinear):
         n, k = cfg["out_features"], cfg["in_features"]
         g = k // cls.group_size
         return cls(torch.zeros(n, k // 2, dtype=torch.uint8), torch.ones(n, g), torch.zeros(n, g), k,
-                   torch.zeros(n) if cfg["bias"] else None, cfg.get("source", "int4"))
+                   torch.zeros(n) if cfg["bias"] else None, cfg.get("source"))
 
     def config(self):
         return {**super().config(), "source": self.source}
@@ -288,15 +279,19 @@ class Int4BlockLinear(QuantLinear):
         w = self._rows(self.unpacked_q(flat), self.scales[flat], self.offsets[flat], dtype)
         return w.reshape(*ids.shape, self.in_features)
 
+    @property
+    def zeros(self) -> torch.Tensor:
+        """Int4Linear's zero for the same weights: w = (q - 8) * scale + zero, so zero = m + 8 d."""
+        return self.offsets + 8 * self.scales
+
     def packed_supported(self):
         return kernels.int4pack_supported(self.out_features, self.in_features, self.group_size)
 
     def cpu_layout(self):
         return self.qweight, self.scales, self.offsets, self.group_size, 4
 
-    def build_packed(self):       # torch's int4 packing: w = (q - 8) * s + z, so z = m + 8 d
-        return (kernels.pack_int4(self.unpacked_q()),
-                kernels.int4_scales_and_zeros(self.scales, self.offsets + 8 * self.scales))
+    def build_packed(self):       # torch's int4 packing
+        return kernels.pack_int4(self.unpacked_q()), kernels.int4_scales_and_zeros(self.scales, self.zeros)
 
     def packed_matmul(self, state, x):
         packed, sz = state
@@ -304,6 +299,26 @@ class Int4BlockLinear(QuantLinear):
 
     def extra_repr(self):
         return super().extra_repr() + f", gguf={self.source}" * (self.source != "int4")
+
+
+class Q4_0Linear(Int4BlockLinear):
+    """GGUF Q4_0 as shipped, w = d * (q - 8) in blocks of 32: the file's nibble bytes as they are, scale d and
+    offset -8 d (both exact in float32, and d * q - 8 d == d * (q - 8) exactly)."""
+    source = "Q4_0"
+
+    @classmethod
+    def from_gguf(cls, data, out_features: int, in_features: int, bias: torch.Tensor | None = None) -> "Q4_0Linear":
+        qs, d = gguf_blocks.decode_q4_0(data, out_features, in_features)
+        return cls(qs, d, -8 * d, in_features, bias)
+
+
+class Q4_1Linear(Int4BlockLinear):
+    """GGUF Q4_1 as shipped, w = d * q + m in blocks of 32: the file's nibble bytes, scale d and offset m."""
+    source = "Q4_1"
+
+    @classmethod
+    def from_gguf(cls, data, out_features: int, in_features: int, bias: torch.Tensor | None = None) -> "Q4_1Linear":
+        return cls(*gguf_blocks.decode_q4_1(data, out_features, in_features), in_features, bias)
 
 
 class Q8_0Linear(QuantLinear):
