@@ -43,6 +43,20 @@ load() {  # NAME
     --input-len 512 --output-len 1 --no-progress --seed 5 --out "$OUT/$1-prefill.json" >/dev/null
 }
 lscpu | grep -E '^Model name'; grep -m1 -o -E 'avx2|avx512f|avx512_vnni|avx_vnni|avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+# The one-stream bandwidth limit: the weight bytes a decode step reads (every tensor of the file but an
+# untied token embedding, whose rows are gathered) over this machine's measured read bandwidth.
+python3 - "${MODEL:-}" <<'PY'
+import sys
+import gguf
+from tokenfab.model.bundled import resolve_model_path
+from tokenfab.plan.probe import ProbeSettings, measure_bandwidth
+r = gguf.GGUFReader(resolve_model_path(sys.argv[1] or None))
+names = {t.name for t in r.tensors}
+step = sum(int(t.n_bytes) for t in r.tensors if t.name != "token_embd.weight" or "output.weight" not in names)
+bw = measure_bandwidth(ProbeSettings()) * 1e9
+print(f"bandwidth limit: {step / 1e6:,.0f} MB of weights per token at {bw / 1e9:.1f} GB/s read = "
+      f"{bw / step:.1f} tok/s for one stream")
+PY
 
 MODEL=${MODEL:-}
 RUNS=(); LABELS=
