@@ -167,6 +167,19 @@ static inline float tf_f16(const uint8_t *p) {
     return (h & 0x8000) ? -f : f;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* A Q6_K super-block's run (h, j) of 32 weights as 32 unsigned 6-bit codes (0..63), one a byte: weight
+ * h * 128 + j * 32 + l has ql[h * 64 + l + 32 (j & 1)] >> 4 (j >> 1) and, from qh = the 32 bytes at
+ * blk + 128 + h * 32, bits 2j..2j+1 of byte l. Its first 16 weights take scale sc[h * 8 + 2j], the rest
+ * sc[h * 8 + 2j + 1]. */
+static inline __attribute__((always_inline)) __m256i tf_q6k_codes(const uint8_t *blk, __m256i qh, int h, int j) {
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + (j & 1) * 32));
+    const __m256i lo = _mm256_and_si256(j >> 1 ? _mm256_srli_epi16(ql, 4) : ql, _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), _mm256_set1_epi8(3));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+}
+#endif
+
 /* Q4_K / Q5_K's 8 six-bit scales and mins, packed in 12 bytes. */
 static inline void tf_scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
     for (int j = 0; j < 4; j++) {

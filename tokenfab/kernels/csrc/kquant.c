@@ -204,12 +204,10 @@ static inline __attribute__((always_inline)) void tf_kgemm_row(const int M, floa
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* Q6_K in integers, tf_qgemm's way: the activations as int16 per block of 32 (scale max|x| / 32767,
- * tf_quantize_blocks), the weights' 6-bit codes minus 32 as int16, and each 16-weight sub-block's dot an
- * exact int32 (vpmaddwd: |w| <= 32, |x| <= 32767) scaled by d * sc (exact in float32) times the block's
- * activation scale. Float expansion (tf_kgemm_row) is compute-bound on AVX2; this reads the blocks about
- * twice as fast. A run of 32 weights (h, j) is 32 bytes of ql nibbles and 2 bits of each qh byte: weight
- * h * 128 + j * 32 + l has ql[h * 64 + l + 32 (j & 1)] >> 4 (j >> 1) and qh[h * 32 + l] >> 2j; its first
- * 16 weights take scale sc[h * 8 + 2j], the next 16 sc[h * 8 + 2j + 1]. */
+ * tf_quantize_blocks), the weights' 6-bit codes (tf_q6k_codes) minus 32 as int16, and each 16-weight
+ * sub-block's dot an exact int32 (vpmaddwd: |w| <= 32, |x| <= 32767) scaled by d * sc (exact in float32)
+ * times the block's activation scale. Float expansion (tf_kgemm_row) is compute-bound on AVX2; this reads
+ * the blocks about twice as fast. */
 typedef struct {
     const uint8_t *raw;
     const int16_t *xq;
@@ -220,7 +218,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void tf_q6k_row(const int M, float *out, const int16_t *xq,
                                                             const float *dx, int64_t K, const uint8_t *row) {
     const int64_t nsb = K / 256, nb = K / 32;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi16(32);
+    const __m256i off = _mm256_set1_epi16(32);
     __m256 acc[TF_MAX_ROWS];
     for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
@@ -230,10 +228,7 @@ static inline __attribute__((always_inline)) void tf_q6k_row(const int M, float 
         for (int h = 0; h < 2; h++) {
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
             for (int j = 0; j < 4; j++) {
-                const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + (j & 1) * 32));
-                const __m256i lo = _mm256_and_si256(j >> 1 ? _mm256_srli_epi16(ql, 4) : ql, m4);
-                const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), m2);
-                const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+                const __m256i u = tf_q6k_codes(blk, qh, h, j);
                 const __m256i wa = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(u)), off);
                 const __m256i wb = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1)), off);
                 const float sa = d * (float)sc[h * 8 + 2 * j], sb = d * (float)sc[h * 8 + 2 * j + 1];

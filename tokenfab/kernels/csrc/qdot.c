@@ -159,7 +159,7 @@ static inline __attribute__((always_inline)) void tf_kqdot_row(const int M, floa
     __m512 acc512[TF_MAX_ROWS];
     for (int r = 0; r < M; r++) acc512[r] = _mm512_setzero_ps();
 #endif
-    const __m256i zero = _mm256_setzero_si256(), m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    const __m256i zero = _mm256_setzero_si256(), m4 = _mm256_set1_epi8(0x0F);
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *blk = row + s * bb;
         if (type == TF_Q4_K) {
@@ -235,10 +235,7 @@ static inline __attribute__((always_inline)) void tf_kqdot_row(const int M, floa
             for (int h = 0; h < 2; h++) {
                 const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
                 for (int j = 0; j < 4; j++) {
-                    const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + (j & 1) * 32));
-                    const __m256i lo = _mm256_and_si256(j >> 1 ? _mm256_srli_epi16(ql, 4) : ql, m4);
-                    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), m2);
-                    const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+                    const __m256i u = tf_q6k_codes(blk, qh, h, j);
                     const float sa = d * (float)sc[h * 8 + 2 * j], sb = d * (float)sc[h * 8 + 2 * j + 1];
                     const int64_t b = s * 8 + h * 4 + j;
                     for (int r = 0; r < M; r++) {
