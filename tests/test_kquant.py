@@ -224,9 +224,11 @@ def test_engine_on_kquant_layers_gives_the_float_greedy_tokens_batched_and_alone
     kinds = {type(m).__name__ for m in model.modules()}
     # q/k Q4_K (loaded as int4 blocks) + v Q6_K: a mixed qkv
     assert {"Int4BlockLinear", "Q6_KLinear", "ConcatLinear"} <= kinds
-    assert isinstance(model.layers[0].self_attn.qkv_proj, ConcatLinear)
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, ConcatLinear) and len(qkv.parts) == 2         # q and k concatenate into one part
     assert type(model.layers[0].mlp.down_proj).__name__ == "Q6_KLinear"
     assert _greedy(llm, PROMPTS) == ref
+    assert model.attention_backend.stack_rows > 0          # the one-call stack runs the two-part qkv
     assert [_greedy(llm, [p])[0] for p in PROMPTS] == ref
 
 

@@ -566,10 +566,11 @@ class QLinear(ctypes.Structure):
 class Layer(ctypes.Structure):
     """tf_layer in csrc/decode_layers.c: a decoder layer's norm weights, linears and KV pools; the q/k and output
     norms are NULL where the layer has none, `window` 0 for a global layer, `kv_half` 1 for float16
-    pools (see f16_pools)."""
+    pools (see f16_pools); `qkv_split` > 0 where qkv is two layouts, its rows from there on in `qkv_rest`."""
     _fields_ = [("ln1", _P), ("ln2", _P), ("qkv", QLinear), ("o", QLinear), ("gate_up", QLinear),
                 ("down", QLinear), ("k_cache", _P), ("v_cache", _P), ("q_norm", _P), ("k_norm", _P),
-                ("attn_out_norm", _P), ("mlp_out_norm", _P), ("window", _I), ("kv_half", _I)]
+                ("attn_out_norm", _P), ("mlp_out_norm", _P), ("window", _I), ("kv_half", _I),
+                ("qkv_rest", QLinear), ("qkv_split", _I)]
 
 
 class StepView(ctypes.Structure):

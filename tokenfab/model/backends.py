@@ -305,7 +305,12 @@ def _build_stack(model, kv_caches, cap: int, big_cap: int = 0) -> tuple | None:
         if any(n is not None and (n.eps != model.norm.eps or n.weight.dtype != torch.float32
                                   or not n.weight.is_contiguous()) for n in norms + qk):
             return None
-        linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        qkv = attn.qkv_proj
+        # a qkv of two block types (ConcatLinear, llama.cpp's mixed files): the stack runs each part's layout
+        qkv_parts = list(qkv.parts) if getattr(qkv, "parts", None) is not None and qkv.bias is None else [qkv]
+        if len(qkv_parts) > 2:
+            return None
+        linears = (*qkv_parts, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         layouts = []
         for lin in linears:
             if not isinstance(lin, KernelLinear) or lin.bias is not None or lin.input_scale_tensor is not None:
@@ -324,6 +329,8 @@ def _build_stack(model, kv_caches, cap: int, big_cap: int = 0) -> tuple | None:
             None if n is None else n.weight.data_ptr() for n in norms)
         entry.q_norm, entry.k_norm = (None if n is None else n.weight.data_ptr() for n in qk)
         entry.window = attn.window or 0
+        if len(qkv_parts) == 2:
+            entry.qkv_rest, entry.qkv_split = layouts.pop(1), qkv_parts[0].out_features
         entry.qkv, entry.o, entry.gate_up, entry.down = layouts
         entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         entry.kv_half = int(k_cache.dtype == torch.float16)

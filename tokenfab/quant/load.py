@@ -94,8 +94,8 @@ def use_gguf_blocks(model, raw: dict[str, tuple[str, np.ndarray]], weights=None,
 
 class ConcatLinear(nn.Module):
     """Row blocks of one fused projection stored in different block types (llama.cpp's mixed files):
-    each part runs its own kernels, the outputs are concatenated. The one-call decode stack does not
-    take these layers (it needs one tf_qgemm layout per projection); the layer-by-layer path does."""
+    each part runs its own kernels, the outputs are concatenated. The one-call decode stack takes a qkv
+    projection of two parts (Q4_K q and k, Q6_K v), each with its own tf_qgemm layout."""
 
     def __init__(self, parts: list[nn.Module], bias: torch.Tensor | None):
         super().__init__()
@@ -113,8 +113,14 @@ def mixed_gguf_linear(parts: list[tuple[str, np.ndarray]], in_features: int, bia
     """One projection from row blocks of different GGUF types: a single Q8_0-form layer when every part
     decodes to it (Q8_0, Q5_0), else a ConcatLinear of native layers; None if a part has none."""
     from tokenfab.quant.linear import Q8_0Linear, gguf_linear
-    layers = []
+    runs: list[tuple[str, np.ndarray]] = []     # adjacent parts of one kind concatenate (q and k of Q4_K)
     for kind, data in parts:
+        if runs and runs[-1][0] == kind:
+            runs[-1] = (kind, np.concatenate([runs[-1][1], data], axis=0))
+        else:
+            runs.append((kind, data))
+    layers = []
+    for kind, data in runs:
         layer = gguf_linear(data, kind, np.asarray(data).shape[0], in_features)
         if layer is None:
             return None

@@ -40,6 +40,8 @@ typedef struct tf_layer {
     const float *attn_out_norm, *mlp_out_norm; /* norms of the attention and MLP outputs (Gemma 3), or NULL */
     int64_t window;                            /* > 0: a sliding layer (view 1, its window only); 0: global */
     int64_t kv_half;                           /* 1: float16 pools (kv_cache_dtype="float16"; AVX2 builds, D % 64 == 0) */
+    tf_qlin qkv_rest;                          /* with qkv_split > 0, qkv's rows from qkv_split on: a projection */
+    int64_t qkv_split;                         /* stored in two block types (a Q4_K q/k, a Q6_K v); 0: one layout */
 } tf_layer;
 
 /* What a step's layers read besides their weights: where the new K/V go, the block tables, and RoPE. */
@@ -50,6 +52,29 @@ typedef struct tf_step_view {
 } tf_step_view;
 
 enum { TF_ACT_SILU = 0, TF_ACT_GELU_TANH = 1 };
+
+/* wide [M, N] = h [M, K] through the layer's qkv projection: one layout, or two row ranges of their own
+ * (qkv_split). One row writes both parts in place; more go through a scratch copy per part. */
+static void tf_stack_qkv(float *wide, const float *h, int64_t M, int64_t K, int64_t N, const tf_layer *L) {
+    const int64_t s = L->qkv_split;
+    if (s <= 0) {
+        tf_stack_linear(wide, h, M, K, N, &L->qkv);
+        return;
+    }
+    if (M == 1) {
+        tf_stack_linear(wide, h, 1, K, s, &L->qkv);
+        tf_stack_linear(wide + s, h, 1, K, N - s, &L->qkv_rest);
+        return;
+    }
+    float *part = (float *)malloc(sizeof(float) * (size_t)(M * N));
+    tf_stack_linear(part, h, M, K, s, &L->qkv);
+    tf_stack_linear(part + M * s, h, M, K, N - s, &L->qkv_rest);
+    for (int64_t t = 0; t < M; t++) {
+        memcpy(wide + t * N, part + t * s, sizeof(float) * (size_t)s);
+        memcpy(wide + t * N + s, part + M * s + t * (N - s), sizeof(float) * (size_t)(N - s));
+    }
+    free(part);
+}
 
 void tf_decode_layers(float *x, int64_t M, int64_t hidden, int64_t n_layers, const tf_layer *layers,
                       int64_t H, int64_t KVH, int64_t D, int64_t inter, float eps, int64_t act,
@@ -64,7 +89,7 @@ void tf_decode_layers(float *x, int64_t M, int64_t hidden, int64_t n_layers, con
         const tf_layer *L = layers + l;
         const tf_step_view *v = views + (L->window > 0);
         tf_rms_norm(h, x, L->ln1, M, hidden, eps);
-        tf_stack_linear(wide, h, M, hidden, qkv_n, &L->qkv);
+        tf_stack_qkv(wide, h, M, hidden, qkv_n, L);
         if (L->q_norm)      /* in place: each row's sum of squares is taken before it is written */
             for (int64_t t = 0; t < M; t++) {
                 tf_rms_norm(wide + t * qkv_n, wide + t * qkv_n, L->q_norm, H, D, eps);
