@@ -156,6 +156,15 @@ static inline float tf_dot_f32(const float *a, const float *b, int64_t n) {
     return tail;
 }
 
+/* One weight row's per-block scales: groups of 32 use the row's group scales `dn` as they are; wider
+ * groups repeat each group's scale over its bpg blocks into `buf` (nb floats), so no block divides. */
+static inline const float *tf_block_scales(const float *dn, int64_t G, int64_t bpg, float *buf) {
+    if (bpg == 1) return dn;
+    for (int64_t g = 0, b = 0; g < G; g++)
+        for (int64_t i = 0; i < bpg; i++) buf[b++] = dn[g];
+    return buf;
+}
+
 /* A little-endian float16 (GGUF's block scales, a qtile layout's float16 scales) as float32. */
 static inline float tf_f16(const uint8_t *p) {
     const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));

@@ -313,12 +313,7 @@ void tf_qdot(float *y, const float *x, int64_t M, int64_t K, int64_t N, const vo
         } else {
             const float *dn = d + n * G;
             float sbuf[bpg == 1 ? 1 : nb];
-            const float *sb = dn;
-            if (bpg != 1) {
-                for (int64_t g = 0, b = 0; g < G; g++)
-                    for (int64_t i = 0; i < bpg; i++) sbuf[b++] = dn[g];
-                sb = sbuf;
-            }
+            const float *sb = tf_block_scales(dn, G, bpg, sbuf);
 #if defined(__AVX2__) && defined(__FMA__)
             TF_ROWS_SWITCH(tf_qdot_row, out, xq, dx, dx16, K, nb, qn, sb, bits)
 #else

@@ -328,14 +328,8 @@ static void tf_qgemm_cols(const void *job, int64_t n0, int64_t n1, float *y, int
         for (int64_t l = 0; l < row_bytes; l += 64) __builtin_prefetch((const char *)qn + 4 * row_bytes + l, 0, 3);
         __builtin_prefetch(dn + 4 * G, 0, 3);
         if (m) __builtin_prefetch(m + (n + 4) * G, 0, 3);
-        /* per-block weight scales without a division per block: groups of 32 use dn as is */
         float sbuf[bpg == 1 ? 1 : nb];
-        const float *sb = dn;
-        if (bpg != 1) {
-            for (int64_t g = 0, b = 0; g < G; g++)
-                for (int64_t i = 0; i < bpg; i++) sbuf[b++] = dn[g];
-            sb = sbuf;
-        }
+        const float *sb = tf_block_scales(dn, G, bpg, sbuf);
 #if defined(__AVX2__) && defined(__FMA__)
 #ifdef TF_QGEMM512
         TF_ROWS_SWITCH(tf_qgemm_row512, out, xq, dx, K, nb, qn, sb, bits)
