@@ -29,8 +29,8 @@ from tokenfab.engine.kv_cache import BlockManager  # noqa: E402
 from tokenfab.engine.scheduler import Scheduler  # noqa: E402
 from tokenfab.engine.sequence import Sequence  # noqa: E402
 from tokenfab.engine.step_budget import StepBudget  # noqa: E402
-from tokenfab.plan.roofline import StepShape  # noqa: E402
-from tokenfab.plan.step_table import MeasuredStepCost  # noqa: E402
+from tokenfab.costmodel.shape import StepShape  # noqa: E402
+from tokenfab.costmodel.measured import MeasuredStepCost  # noqa: E402
 from tokenfab.sampling import SamplingParams  # noqa: E402
 
 # 1 decode row 17.5 ms, 8 rows 56 ms, a 512-token prefill 273 ms: the 2-core VM's 17 / 53 / ~290 ms.

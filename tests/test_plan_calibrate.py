@@ -5,13 +5,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from tokenfab.costmodel.measured import MeasuredStepCost, choose_knots, shape_row
 from tokenfab.plan import roofline
 from tokenfab.plan.calibrate import Timing, fit_efficiency
 from tokenfab.plan.hardware import Hardware, read_hardware_file, save_entry
 from tokenfab.plan.models import preset
 from tokenfab.plan.roofline import Deployment, Efficiency, RooflineCost
 from tokenfab.plan.simulate import SchedulerConfig, simulate
-from tokenfab.plan.step_table import MeasuredStepCost, choose_knots, shape_row
 from tokenfab.plan.workload import make_requests, parse_length
 
 HW = Hardware(name="cpu-like", memory_gib=16, bandwidth_gb_s=20, tflops={"fp32": 0.2})

@@ -1,5 +1,5 @@
 """The capacity simulator's speculative decoding: each decode scores 1 + k tokens and emits 1 + k*A."""
-from tokenfab.plan.roofline import StepShape
+from tokenfab.costmodel.shape import StepShape
 from tokenfab.plan.simulate import SchedulerConfig, simulate
 from tokenfab.plan.workload import Request
 

@@ -7,9 +7,9 @@ import pytest
 from tests.oracle import make_tiny_model
 from tokenfab import LLM, SamplingParams
 from tokenfab.cli import main
+from tokenfab.costmodel.measured import MeasuredStepCost, NoisyStepCost, StepLog, read_rows, shape_row
 from tokenfab.plan.simulate import SchedulerConfig
 from tokenfab.plan.simulate import simulate
-from tokenfab.plan.step_table import MeasuredStepCost, NoisyStepCost, StepLog, read_rows, shape_row
 from tokenfab.plan.validate import load_bench_run, validate
 from tokenfab.plan.workload import make_requests, parse_length
 

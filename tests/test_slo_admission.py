@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from tokenfab.costmodel.measured import MeasuredStepCost
 from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.lanes import service_class_of
 from tokenfab.engine.sequence import Sequence
-from tokenfab.plan.step_table import MeasuredStepCost
 from tokenfab.sampling import SamplingParams
 from tokenfab.server.app import build_app
 from tokenfab.server.config import ServerConfig

@@ -6,13 +6,13 @@ from types import SimpleNamespace
 import pytest
 
 from tokenfab.config import EngineConfig
+from tokenfab.costmodel.measured import MeasuredStepCost
+from tokenfab.costmodel.online import MIN_ROWS, OnlineStepModel
+from tokenfab.costmodel.shape import StepShape
 from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.scheduler import Scheduler
 from tokenfab.engine.sequence import Sequence
 from tokenfab.engine.step_budget import StepBudget
-from tokenfab.engine.step_cost import MIN_ROWS, OnlineStepModel
-from tokenfab.plan.roofline import StepShape
-from tokenfab.plan.step_table import MeasuredStepCost
 from tokenfab.sampling import SamplingParams
 
 from tests.scheduler_steps import run_step
@@ -160,7 +160,7 @@ def test_the_online_model_calibrates_after_enough_steps():
 
 def test_the_refit_runs_on_one_blas_thread_with_one_controller_built_once(monkeypatch):
     threadpoolctl = pytest.importorskip("threadpoolctl")
-    from tokenfab.engine import step_cost
+    from tokenfab.costmodel import online as step_cost
     monkeypatch.setattr(step_cost, "_controller", None)
     seen = set()
     for _ in range(3):

@@ -21,7 +21,7 @@ from tokenfab.engine.runner import ModelRunner
 from tokenfab.engine.sampler import Sampler, SampleRow
 from tokenfab.engine.scheduler import Scheduler
 from tokenfab.engine.step_budget import StepBudget
-from tokenfab.engine.step_cost import OnlineStepModel
+from tokenfab.costmodel.online import OnlineStepModel
 from tokenfab.engine.structured import GrammarCompiler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.engine.sliding_kv import SlidingBlocks, fit_blocks, pool_size, sliding_layer_share
@@ -236,7 +236,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
         # step_observer(steps, start, end, busy), if set, sees every step: (cached tokens before, new
         # tokens) per scheduled sequence, perf_counter() at its start and end, and whether requests are
-        # left to run (e.g. tokenfab.plan.step_table.StepLog).
+        # left to run (e.g. tokenfab.costmodel.measured.StepLog).
         self.step_observer = None
         self.errors: dict[str, str] = {}      # request id -> why it failed, until its output is returned
         # adapts the thread count while other processes take cores (engine/threads.py): torch's up to the

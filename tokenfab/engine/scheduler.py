@@ -19,11 +19,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from tokenfab.costmodel.shape import StepShape
 from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.lanes import BATCH, INTERACTIVE, PrefillCaps, class_rank
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.engine.step_budget import StepBudget
-from tokenfab.plan.roofline import StepShape
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ smaller cap spreads a long prompt over more steps, each of them slower), so the 
 "fill" work in time:
 - interactive work goes into the step first (decodes, then short prompts' prefills): it is "firm";
 - fill work (batch-class rows, then prefill chunks of prompts in the long-prompt lane) is then admitted
-  only while the step model (engine/step_cost.py) predicts the whole step within the step's limit; a
+  only while the step model (costmodel/online.py) predicts the whole step within the step's limit; a
   prefill chunk shrinks to the most tokens that fit, a decode row fits or waits.
 
 The limit, by the kind of step (t1: the predicted time of the shortest interactive step, one decode row):
@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from tokenfab.plan.roofline import StepShape
+from tokenfab.costmodel.shape import StepShape
 
 # Interactive traffic counts as "about" for this long after an arrival: 10 mean gaps (a Poisson stream
 # is silent that long with probability e^-10), at least 5 s (a client's think time between turns), at

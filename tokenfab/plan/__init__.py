@@ -8,7 +8,7 @@
 - `cost`       cost per hour and per million tokens
 - `workload`   length distributions, arrivals, SLO targets
 - `simulate`   discrete-event simulation of the engine's scheduler under a step-cost model
-- `step_table` a step-cost model fitted to measured step times (replaces the roofline)
+               (the roofline, or tokenfab.costmodel's MeasuredStepCost fitted to measured step times)
 - `capacity`   replicas needed to meet an SLO at a traffic rate
 - `calibrate`  fit efficiency factors to timings of the real engine
 - `probe`      measure this machine's bandwidth and matmul peak

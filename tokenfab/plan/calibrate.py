@@ -12,7 +12,7 @@ e_b, compute efficiency e_c and overhead o minimising the relative error of
 
 by a log-spaced grid over (e_b, e_c), with o solved in closed form at each point, then refined by
 alternating least squares on the regime each point falls in. The rows are also a step table
-(`step_table.MeasuredStepCost`), which the simulator can use instead of the roofline.
+(`costmodel.measured.MeasuredStepCost`), which the simulator can use instead of the roofline.
 """
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from tokenfab.costmodel.measured import nonneg_lstsq, shape_row
+from tokenfab.costmodel.shape import StepShape
 from tokenfab.plan import roofline
-from tokenfab.plan.roofline import Deployment, Efficiency, StepShape
-from tokenfab.plan.step_table import nonneg_lstsq, shape_row
+from tokenfab.plan.roofline import Deployment, Efficiency
 
 
 @dataclass(frozen=True, slots=True)

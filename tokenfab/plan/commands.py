@@ -187,7 +187,7 @@ def run_compare(args) -> dict:
 
 def run_capacity(args) -> dict:
     from tokenfab.plan.capacity import Traffic, plan_capacity
-    from tokenfab.plan.step_table import MeasuredStepCost, NoisyStepCost
+    from tokenfab.costmodel.measured import MeasuredStepCost, NoisyStepCost
     from tokenfab.plan.workload import SLO, parse_length
 
     hw = get_hardware(args.hardware, catalog(args))
@@ -372,7 +372,7 @@ def run_calibrate(args, progress=None) -> dict:
 
 def run_validate(args) -> dict:
     from tokenfab.plan.simulate import SchedulerConfig
-    from tokenfab.plan.step_table import MeasuredStepCost
+    from tokenfab.costmodel.measured import MeasuredStepCost
     from tokenfab.plan.validate import validate
 
     cost = MeasuredStepCost.from_file(args.step_table)

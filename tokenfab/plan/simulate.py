@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokenfab.plan.roofline import StepShape
+from tokenfab.costmodel.shape import StepShape
 from tokenfab.plan.workload import Request
 
 

@@ -6,7 +6,7 @@ model, and the simulated P50 TPOT, P99 TTFT and output throughput are set beside
 
     error = (predicted - measured) / measured
 
-With a step table's measured scatter (`step_table.NoisyStepCost`) the replay runs `replicates` times
+With a step table's measured scatter (`costmodel.measured.NoisyStepCost`) the replay runs `replicates` times
 with different seeds: the prediction is the mean of each replicate's metrics (what one measured run
 is expected to show) and the P10-P90 of them is printed beside it: a P99 over 150 requests is about
 their second-largest value and moves a lot from run to run, measured or simulated.
@@ -21,8 +21,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tokenfab.costmodel.measured import MeasuredStepCost, NoisyStepCost
 from tokenfab.plan.simulate import SchedulerConfig, percentile, simulate
-from tokenfab.plan.step_table import MeasuredStepCost, NoisyStepCost
 from tokenfab.plan.workload import Request
 
 METRICS = (("tpot_p50_ms", "P50 TPOT (ms)"), ("ttft_p99_ms", "P99 TTFT (ms)"),

@@ -144,7 +144,7 @@ def serve_command(args: argparse.Namespace) -> int:
     step_log = None
     if args.step_log:                   # opened before the slow model load, so a bad path fails fast
         from tokenfab.cli import CLIError
-        from tokenfab.plan.step_table import StepLog
+        from tokenfab.costmodel.measured import StepLog
         try:
             step_log = StepLog(args.step_log)
         except OSError as e:

@@ -4,7 +4,7 @@ target cannot be met, and report predicted and achieved latency and goodput per 
     tokenfab serve --slo-ttft-ms 2000 --slo-tpot-ms 200
 
 - The step cost is `plan`'s model (`MeasuredStepCost`), fitted online to this server's own steps by
-  the engine (engine/step_cost.py: refitted every REFIT_EVERY steps over the last WINDOW); the
+  the engine (costmodel/online.py: refitted every REFIT_EVERY steps over the last WINDOW); the
   scheduler's step-time budget reads the same model. Until MIN_ROWS steps have run nothing is shed.
 - The queue is read in the engine thread at the end of each step (`QueueSnapshot`): interactive
   prefill tokens still to run, running decodes and their mean context, and the batch prefill chunk a
@@ -33,9 +33,9 @@ from dataclasses import dataclass, replace
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tokenfab.costmodel.measured import MeasuredStepCost
+from tokenfab.costmodel.shape import StepShape
 from tokenfab.engine.lanes import BATCH, INTERACTIVE, SERVICE_CLASSES
-from tokenfab.plan.roofline import StepShape
-from tokenfab.plan.step_table import MeasuredStepCost
 from tokenfab.server.errors import APIError
 
 LATENCY_WINDOW = 1000          # requests per class behind the P99 gauges
@@ -150,7 +150,7 @@ def predict_tpot(cost, snap: QueueSnapshot, step_budget=None) -> float:
 
 
 class OnlineStepCost:
-    """The engine's step_observer: takes the engine's refitted step model (engine/step_cost.py) and
+    """The engine's step_observer: takes the engine's refitted step model (costmodel/online.py) and
     snapshots the queue. Runs in the engine thread; `cost` and `snapshot` are replaced whole, so
     readers never lock."""
 

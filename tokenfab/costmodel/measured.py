@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from tokenfab.plan.roofline import StepShape
+from tokenfab.costmodel.shape import StepShape
 
 FEATURES = ("num_tokens", "num_seqs", "attn_pairs", "kv_tokens")
 LINEAR_FEATURES = FEATURES[1:]          # num_tokens enters through the piecewise-linear f

@@ -1,7 +1,7 @@
 """The engine's step-cost model, calibrated online from the steps it runs.
 
 Every step's shape (rows through the linears, sequences, attention pairs, KV entries read) and wall time
-go into a window of the last WINDOW steps; every REFIT_EVERY steps `plan`'s `MeasuredStepCost` is refitted
+go into a window of the last WINDOW steps; every REFIT_EVERY steps a `MeasuredStepCost` (measured.py) is refitted
 over them (a few milliseconds of numpy on the engine thread). Two readers share the one model:
 - the scheduler's step-time budget (engine/step_budget.py), which sizes batch rows and long-prompt
   prefill chunks so that a step stays within the interactive TPOT target;
@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 
-from tokenfab.plan.roofline import StepShape
-from tokenfab.plan.step_table import MeasuredStepCost
+from tokenfab.costmodel.measured import MeasuredStepCost
+from tokenfab.costmodel.shape import StepShape
 
 MIN_ROWS = 32
 REFIT_EVERY = 64
