@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
+from tokenfab.config import SpeculativeConfig
 from tokenfab.engine.sampler import SampledToken
 from tokenfab.engine.sequence import Sequence, SequenceStatus
-from tokenfab.engine.spec.config import SpeculativeConfig
 from tokenfab.engine.spec.decoder import SpecDecoder
 from tokenfab.engine.spec.ngram import NgramProposer
 from tokenfab.engine.spec.policy import (BACKOFF_MIN, MIN_GAIN, ROW_COST, START_RATE, AdaptivePolicy, SeqSpecState,

@@ -159,7 +159,7 @@ class LLMEngine:
         self.kv_bytes_per_token = kv_bytes_per_token(mcfg, kv_dtype)
         spec_cfg = draft_files = None
         if config.speculative_config is not None:
-            from tokenfab.engine.spec.config import SpeculativeConfig
+            from tokenfab.config import SpeculativeConfig
             spec_cfg = SpeculativeConfig.from_dict(config.speculative_config)
             if spec_cfg.method == "draft":   # its KV pool shares the budget, block for block (spec/draft.py)
                 from tokenfab.engine.spec.draft import draft_kv_bytes_per_token, load_draft_files

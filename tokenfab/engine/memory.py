@@ -24,7 +24,7 @@ def decode_rows(config) -> int:
     """The most rows a decode step feeds the decoder's linears: max_num_seqs x (1 + draft tokens)."""
     k = 0
     if config.speculative_config:
-        from tokenfab.engine.spec.config import SpeculativeConfig
+        from tokenfab.config import SpeculativeConfig
         k = SpeculativeConfig.from_dict(config.speculative_config).num_speculative_tokens
     return config.max_num_seqs * (1 + k)
 

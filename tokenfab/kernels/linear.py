@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenfab import registry
+
 
 @runtime_checkable
 class LinearKernel(Protocol):
@@ -51,11 +53,13 @@ class LinearKernel(Protocol):
 KQUANT_FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 
 _REGISTRY: dict[str, LinearKernel] = {}
+registry.register("linear_kernel", "auto")      # EngineConfig.linear_kernel: auto, or a kernel forced
 
 
 def register(kernel: LinearKernel) -> LinearKernel:
     """Add a kernel (replacing one of the same name)."""
     _REGISTRY[kernel.name] = kernel
+    registry.register("linear_kernel", kernel.name)
     return kernel
 
 

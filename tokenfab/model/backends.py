@@ -31,11 +31,12 @@ from typing import Protocol
 
 import torch
 
-from tokenfab import kernels
+from tokenfab import kernels, registry
 from tokenfab.kernels.tuning import STACK_BIG_KERNELS
 from tokenfab.model.attention import AttentionMetadata, TorchPagedAttention, token_rows
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+registry.register("attention_backend", *ATTENTION_BACKENDS)
 BF16_ACTIVATION_KERNELS = ("bf16", "qbf16")    # linear kernels that round their activations to bfloat16
 
 

@@ -31,9 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from tokenfab import kernels as cpu_kernels
+from tokenfab import registry
 from tokenfab.kernels.linear import KQUANT_FORMATS, register
 
 KERNEL_ALIASES = {"cpu": "qgemm"}     # the C kernel's name before the registry (CLI --kernel cpu)
+registry.register("linear_kernel", *KERNEL_ALIASES)
 KERNELS = ("auto", "qgemm", "cpu", "qmadd", "qdot", "qtile", "qbf16", "packed", "float", "dequant")   # what `quant eval --kernel` offers
 
 

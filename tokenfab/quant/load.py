@@ -19,9 +19,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from tokenfab import registry
 from tokenfab.model.llama import LlamaModel
 
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "w8a8", "int4", "int4-g32", "int4-g64", "int4-g128", "q4_k", "q6_k")
+registry.register("quantization", *QUANTIZATIONS)
 
 
 def resolve_quantization(loaded, quantization: str | None) -> str:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenfab.config import SpeculativeConfig
 from tokenfab.engine.sampler import SampledToken, Sampler, SampleRow, plain_greedy
-from tokenfab.engine.spec.config import SpeculativeConfig
 from tokenfab.engine.spec.ngram import NgramProposer
 from tokenfab.engine.spec.policy import ROW_COST, AdaptivePolicy, row_cost_of
 from tokenfab.engine.spec.verify import accept_greedy, accept_sampled, target_probs
