@@ -6,6 +6,7 @@ import json
 
 from tokenfab import SamplingParams
 from tokenfab.batch.offline import progress_dir, run_file
+from tokenfab.server.batch_dispatch import offline_routes
 from tokenfab.batch.store import BatchStore
 
 PROMPTS = ["The capital of France is", "Water boils at", "One, two,"]
@@ -35,7 +36,7 @@ def test_offline_run_equals_llm_generate_and_resumes_without_rerunning_done_line
     store.add_result(key, 1, seeded, False)
     store.close()
 
-    summary = run_file(bundled_llm.engine, str(src), str(out), concurrency=2, show_progress=False)
+    summary = run_file(offline_routes(bundled_llm.engine), str(src), str(out), concurrency=2, show_progress=False)
     assert summary == {"total": 4, "completed": 3, "failed": 1, "resumed": 1}
     records = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["custom_id"] for r in records] == ["p0", "broken", "p1", "p2"]

@@ -36,7 +36,8 @@ def cluster(request):
     from tokenfab.config import EngineConfig
     from tokenfab.server.config import ServerConfig
     from tokenfab.server.launch import ServerThread
-    from tokenfab.serve_ray.deploy import PoolSpec, ServeSpec, ingress_app, start_pools, stop_pools
+    from tokenfab.serve_ray.deploy import PoolSpec, ServeSpec, start_pools, stop_pools
+    from tokenfab.server.ingress import ingress_app
 
     try:
         # 3 logical CPUs for the pools, 1 more for the slow tensor-parallel replica (2 ranks x 0.5)
@@ -312,7 +313,8 @@ def test_tensor_parallel_replica_runs_its_ranks_as_ray_actors_and_matches_one_en
     from tokenfab import LLM, SamplingParams
     from tokenfab.server.config import ServerConfig
     from tokenfab.server.launch import ServerThread
-    from tokenfab.serve_ray.deploy import PoolSpec, _deployment, ingress_app
+    from tokenfab.serve_ray.deploy import PoolSpec, _deployment
+    from tokenfab.server.ingress import ingress_app
     from tokenfab.serve_ray.pool import ReplicaPoolEngine
     folder = str(tmp_path_factory.mktemp("tiny-llama-tp"))
     make_tiny_model("llama", folder, bundled_tokenizer)          # 4 heads, 2 KV heads: splits in two

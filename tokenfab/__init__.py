@@ -2,8 +2,6 @@
 
 The offline API mirrors vLLM's: ``from tokenfab import LLM, SamplingParams``.
 """
-__version__ = "0.1.0"
-
 import os as _os
 
 # OpenMP workers that finish a parallel region spin before they sleep: libgomp's default is 300,000
@@ -15,6 +13,7 @@ import os as _os
 _os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
 from tokenfab.sampling import SamplingParams
+from tokenfab.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 

@@ -9,6 +9,9 @@ import argparse
 import importlib
 import sys
 
+from tokenfab.cli_errors import CLIError
+from tokenfab.version import __version__
+
 # (module, what it registers). Order is the order of `tokenfab --help`.
 _COMMAND_MODULES = [
     "tokenfab.engine_cli",   # generate, chat, info
@@ -17,17 +20,13 @@ _COMMAND_MODULES = [
     "tokenfab.quant.cli",    # quant
     "tokenfab.plan.cli",     # plan
     "tokenfab.doctor.cli",   # doctor
-    "tokenfab.batch.cli",    # batch run
+    "tokenfab.server.batch_cli",   # batch run
 ]
-
-
-class CLIError(Exception):
-    """A user mistake: printed as one line, exit code 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenfab", description="Run, serve, benchmark, quantize and plan LLM inference.")
-    parser.add_argument("--version", action="version", version=f"tokenfab {__import__('tokenfab').__version__}")
+    parser.add_argument("--version", action="version", version=f"tokenfab {__version__}")
     subs = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         try:

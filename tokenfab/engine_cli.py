@@ -87,7 +87,7 @@ def cmd_generate(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     # Checked before the model loads (which takes seconds), not by the engine after it.
     if not prompt or (args.chat and not prompt.strip()):
-        from tokenfab.cli import CLIError
+        from tokenfab.cli_errors import CLIError
         what = "standard input was empty" if args.prompt == "-" else "the prompt is empty"
         raise CLIError(f"{what}; give the text to {'answer' if args.chat else 'continue'}, e.g. "
                        "tokenfab generate " + ('--chat "Why is the sky blue?"' if args.chat else '"Once upon a time"'))

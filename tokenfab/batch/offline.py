@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from tokenfab.batch.lines import error_line, parse_lines
-from tokenfab.batch.runner import run_lines
+from tokenfab.batch.runner import RouteCall, run_lines
 from tokenfab.batch.store import BatchStore
 
 
@@ -37,8 +37,10 @@ def progress_dir(output: str | os.PathLike) -> Path:
     return Path(f"{output}.progress")
 
 
-def run_file(engine, input_path: str, output_path: str, concurrency: int, show_progress: bool = True) -> dict:
-    """Run every line of `input_path` into `output_path`; returns {"total", "completed", "failed", "resumed"}."""
+def run_file(routes: contextlib.AbstractAsyncContextManager[RouteCall], input_path: str, output_path: str,
+             concurrency: int, show_progress: bool = True) -> dict:
+    """Run every line of `input_path` into `output_path` through `routes` (entered for the run:
+    server/batch_dispatch.py's `offline_routes(engine)`); returns {"total", "completed", "failed", "resumed"}."""
     data = Path(input_path).read_bytes()
     lines, bad = parse_lines(data)
     if not lines and not bad:
@@ -53,7 +55,7 @@ def run_file(engine, input_path: str, output_path: str, concurrency: int, show_p
         for err in bad:
             store.add_result(key, err.line, error_line(err), True)
         resumed = len(store.done_lines(key) - {e.line for e in bad})
-        asyncio.run(_run(engine, lines, _Sink(store, key), concurrency, len(lines) + len(bad),
+        asyncio.run(_run(routes, lines, _Sink(store, key), concurrency, len(lines) + len(bad),
                          len(store.done_lines(key)), show_progress))
         rows = store.results(key)
         assert len(rows) == len(lines) + len(bad), "every line has exactly one result"
@@ -67,13 +69,10 @@ def run_file(engine, input_path: str, output_path: str, concurrency: int, show_p
     return {"total": len(rows), "completed": len(rows) - failed, "failed": failed, "resumed": resumed}
 
 
-async def _run(engine, lines, sink, concurrency: int, total: int, done: int, show_progress: bool) -> None:
-    from tokenfab.server.app import build_app
-    from tokenfab.server.config import ServerConfig
-    app = build_app(engine, ServerConfig(access_log=False, ui=False, max_waiting_requests=None))
+async def _run(routes, lines, sink, concurrency: int, total: int, done: int, show_progress: bool) -> None:
     with _progress(total, done, show_progress) as advance:
-        async with app.router.lifespan_context(app):
-            await run_lines(app, lines, sink, asyncio.Semaphore(concurrency), concurrency,
+        async with routes as call:
+            await run_lines(call, lines, sink, asyncio.Semaphore(concurrency), concurrency,
                             on_result=lambda _line, _ok: advance())
 
 

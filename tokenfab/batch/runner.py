@@ -1,5 +1,8 @@
 """Run a batch's lines through the server's routes with bounded concurrency, committing each result.
 
+The routes come in as a `RouteCall` (server/batch_dispatch.py builds it), so this part never imports the
+server that hosts it.
+
 `run_lines` is shared by the server's Batch API (service.py) and the offline runner (offline.py). A
 line's result is committed the moment it finishes; lines that already have one are skipped, which is
 how a restarted batch resumes. A 429 (the engine's queue is full) is retried after a pause: it says
@@ -10,10 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
 
-from tokenfab.batch.dispatch import call_route
 from tokenfab.batch.lines import BatchLine, result_line
 
 log = logging.getLogger("tokenfab.batch")
@@ -24,18 +26,22 @@ class EngineUnavailable(RuntimeError):
     """The engine cannot take work (dead or shutting down); the batch resumes after a restart."""
 
 
+# POST a line's body to its url, in process: (status code, request id, response body).
+RouteCall = Callable[[str, dict], Awaitable[tuple[int, str | None, dict]]]
+
+
 class ResultSink(Protocol):
     def done_lines(self) -> set[int]: ...
     def add(self, line: int, record: dict, is_error: bool) -> None: ...
 
 
-async def run_lines(app, lines: Iterable[BatchLine], sink: ResultSink, slots: asyncio.Semaphore, concurrency: int,
+async def run_lines(call: RouteCall, lines: Iterable[BatchLine], sink: ResultSink, slots: asyncio.Semaphore, concurrency: int,
                     on_result: Callable[[int, bool], None] | None = None) -> None:
     """Run every line without a committed result; `slots` bounds how many are in the engine at once
     (one semaphore can be shared by several batches). Cancelling the caller aborts the lines in flight."""
     done = sink.done_lines()
     todo = iter([ln for ln in lines if ln.line not in done])
-    workers = [asyncio.ensure_future(_worker(app, todo, sink, slots, on_result)) for _ in range(max(1, concurrency))]
+    workers = [asyncio.ensure_future(_worker(call, todo, sink, slots, on_result)) for _ in range(max(1, concurrency))]
     try:
         await asyncio.gather(*workers)
     finally:
@@ -44,10 +50,10 @@ async def run_lines(app, lines: Iterable[BatchLine], sink: ResultSink, slots: as
         await asyncio.gather(*workers, return_exceptions=True)
 
 
-async def _worker(app, todo, sink: ResultSink, slots: asyncio.Semaphore, on_result) -> None:
+async def _worker(call: RouteCall, todo, sink: ResultSink, slots: asyncio.Semaphore, on_result) -> None:
     for ln in todo:
         async with slots:
-            status, rid, body = await _run_one(app, ln)
+            status, rid, body = await _run_one(call, ln)
         record = result_line(ln.custom_id, status, rid, body)
         ok = 200 <= status < 300
         # The commit fsyncs (synchronous=FULL): off the event loop, where it would stall every stream.
@@ -56,9 +62,9 @@ async def _worker(app, todo, sink: ResultSink, slots: asyncio.Semaphore, on_resu
             on_result(ln.line, ok)
 
 
-async def _run_one(app, ln: BatchLine) -> tuple[int, str | None, dict]:
+async def _run_one(call: RouteCall, ln: BatchLine) -> tuple[int, str | None, dict]:
     while True:
-        status, rid, body = await call_route(app, ln.url, ln.body)
+        status, rid, body = await call(ln.url, ln.body)
         if status == 429:
             await asyncio.sleep(RETRY_AFTER_S)
             continue

@@ -15,7 +15,7 @@ import asyncio
 import logging
 
 from tokenfab.batch.lines import error_line, parse_lines
-from tokenfab.batch.runner import EngineUnavailable, run_lines
+from tokenfab.batch.runner import EngineUnavailable, RouteCall, run_lines
 from tokenfab.batch.store import BatchStore
 
 log = logging.getLogger("tokenfab.batch")
@@ -33,8 +33,8 @@ class _StoreSink:
 
 
 class BatchService:
-    def __init__(self, store: BatchStore, app, concurrency: int) -> None:
-        self.store, self.app, self.concurrency = store, app, concurrency
+    def __init__(self, store: BatchStore, call: RouteCall, concurrency: int) -> None:
+        self.store, self.call, self.concurrency = store, call, concurrency
         self.slots = asyncio.Semaphore(concurrency)       # shared by all batches: the engine's share for them
         self._tasks: dict[str, asyncio.Task] = {}
 
@@ -78,7 +78,7 @@ class BatchService:
                 obj = self._validate(obj)
             if obj["status"] == "in_progress":
                 lines, _ = parse_lines(self.store.file_content(obj["input_file_id"]), obj["endpoint"])
-                await run_lines(self.app, lines, _StoreSink(self.store, batch_id), self.slots, self.concurrency)
+                await run_lines(self.call, lines, _StoreSink(self.store, batch_id), self.slots, self.concurrency)
                 obj = self.store.update_batch(batch_id, status="finalizing")
             if obj["status"] in ("finalizing", "cancelling"):
                 self._finalize(obj)

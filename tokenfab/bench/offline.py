@@ -92,7 +92,8 @@ def run_offline(cfg: OfflineConfig, llm=None, sampling_params=None, vocab_ids: l
     if not cfg.batch_sizes or min(cfg.batch_sizes) < 1:
         raise ValueError(f"batch sizes {cfg.batch_sizes} must be positive integers")
     if llm is None or sampling_params is None:
-        from tokenfab import LLM, SamplingParams
+        from tokenfab.llm import LLM
+        from tokenfab.sampling import SamplingParams
         kwargs = {"max_num_seqs": cfg.max_num_seqs or max(cfg.batch_sizes),
                   "max_num_batched_tokens": cfg.max_num_batched_tokens}
         llm = llm or LLM(model=cfg.model, **{k: v for k, v in kwargs.items() if v is not None})
@@ -108,7 +109,7 @@ def run_offline(cfg: OfflineConfig, llm=None, sampling_params=None, vocab_ids: l
         runs.append(run)
         if on_run:
             on_run(run)
-    from tokenfab import __version__
+    from tokenfab.version import __version__
     return {"schema": OFFLINE_SCHEMA, "schema_version": SCHEMA_VERSION, "tokenfab_version": __version__,
             "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(sys.argv) if sys.argv and sys.argv[0] else None,

@@ -61,7 +61,7 @@ def run_json(run: RunResult, include_requests: bool = True) -> dict:
 
 def build_result(cfg: ServeConfig, counter: TokenCounter, runs: list[RunResult], sweep: dict,
                  include_requests: bool = True) -> dict:
-    from tokenfab import __version__
+    from tokenfab.version import __version__
     return {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,

@@ -34,7 +34,7 @@ def add_parser(subparsers) -> None:
 
 
 def doctor_command(args: argparse.Namespace) -> int:
-    from tokenfab.cli import CLIError
+    from tokenfab.cli_errors import CLIError
     from tokenfab.doctor import report
     from tokenfab.doctor.scrape import Scrape, Window
     if not args.url and not args.bench:
@@ -68,7 +68,7 @@ def doctor_command(args: argparse.Namespace) -> int:
 
 
 def _get(client, url: str) -> str:
-    from tokenfab.cli import CLIError
+    from tokenfab.cli_errors import CLIError
     try:
         r = client.get(url)
     except Exception as e:  # noqa: BLE001 - any transport failure is the same advice

@@ -123,7 +123,7 @@ def _prompts(rng: random.Random, count: int, length: int, vocab: int) -> list[li
 
 
 def _timed(llm, prompts, max_tokens: int) -> float:
-    from tokenfab import SamplingParams
+    from tokenfab.sampling import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)

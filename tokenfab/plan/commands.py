@@ -307,7 +307,7 @@ def run_calibrate(args, progress=None) -> dict:
     from tokenfab.plan.workload import Request
 
     try:
-        from tokenfab import LLM
+        from tokenfab.llm import LLM
     except ImportError as e:
         raise ValueError(f"calibration needs the engine (tokenfab.llm), which failed to import: {e}") from None
     cat = catalog(args)

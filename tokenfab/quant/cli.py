@@ -108,7 +108,7 @@ def _keep_float(args) -> list[str] | None:
 
 
 def cmd_quant(args) -> int:
-    from tokenfab.cli import CLIError
+    from tokenfab.cli_errors import CLIError
 
     if args.target == EVAL_WORD:
         wrong = _given(args, _WRITE_ONLY)
@@ -133,7 +133,7 @@ def _status():
 
 
 def cmd_write(args) -> int:
-    from tokenfab.cli import CLIError
+    from tokenfab.cli_errors import CLIError
     if not args.scheme or not args.out:
         raise CLIError("writing a checkpoint needs --scheme (int8, int4-g32, int4-g64, int4-g128, awq-int4-g128) "
                        "and --out DIR; to evaluate, use `tokenfab quant eval --candidate ...`")
@@ -184,7 +184,7 @@ def _threads(args) -> None:
 def cmd_eval(args) -> int:
     import os
 
-    from tokenfab.cli import CLIError
+    from tokenfab.cli_errors import CLIError
     if not args.candidate:
         raise CLIError("eval needs --candidate: a scheme (int8, int4-g32, ...), gguf, or a model path")
     from tokenfab.quant.compare import DEFAULT_CTX, DEFAULT_MAX_WINDOWS, candidate_kind, evaluate

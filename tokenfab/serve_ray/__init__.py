@@ -8,5 +8,7 @@
                what never started, and aggregates the replicas' stats for /metrics and /health.
 - deploy.py    starting Ray and the pools (from flags or a Ray Serve config file); `serve_replicas`.
 
+The ingress app on the pools and its per-replica /metrics are the server's (server/ingress.py).
+
 Nothing here is imported unless `--replicas` or `--config` is given: Ray is the optional extra `tokenfab[ray]`.
 """

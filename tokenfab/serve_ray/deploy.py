@@ -209,17 +209,6 @@ def start_pools(engine_config, spec: ServeSpec, max_waiting_requests: int | None
     return ReplicaPoolEngine(handles, desc, spec.long_prompt_threshold)
 
 
-def ingress_app(pool_engine, server_config):
-    """The server's FastAPI app (server/app.py's build_app, the same routes) on the pools, with the
-    per-replica series and routing decisions added to its /metrics."""
-    from tokenfab.serve_ray.metrics import ReplicaCollector
-    from tokenfab.server.app import build_app
-    app = build_app(pool_engine, server_config)
-    state = app.state.tokenfab
-    state.metrics.registry.register(ReplicaCollector(pool_engine, state.model_name))
-    return app
-
-
 def stop_pools(spec: ServeSpec) -> None:
     """Delete our applications; shut down the Ray we started (a joined cluster keeps running)."""
     import ray

@@ -8,17 +8,18 @@ worker thread starts with the app (lifespan) and stops after uvicorn has drained
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import tempfile
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-import tokenfab
 from tokenfab.engine.async_engine import AsyncEngine
 from tokenfab.batch.service import BatchService
 from tokenfab.batch.store import BatchStore
 from tokenfab.server import batch_routes, chat, completions
+from tokenfab.server.batch_dispatch import call_route
 from tokenfab.server.config import ServerConfig
 from tokenfab.server.doctor_route import add_doctor_route
 from tokenfab.server.errors import APIError, install_error_handlers
@@ -29,6 +30,7 @@ from tokenfab.server.openapi import install_openapi
 from tokenfab.server.state import ServerState
 from tokenfab.server.ui import add_ui_routes
 from tokenfab.server.tokenizer_info import tokenizer_info
+from tokenfab.version import __version__
 
 log = logging.getLogger("tokenfab.server")
 
@@ -59,7 +61,7 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
             data_dir = config.data_dir or cleanup.enter_context(tempfile.TemporaryDirectory(prefix="tokenfab-batch-"))
             store = cleanup.enter_context(contextlib.closing(
                 BatchStore(data_dir, config.batch_max_file_bytes, config.batch_max_total_bytes)))
-            app.state.batches = BatchService(store, app, config.batch_concurrency or async_engine.engine.config.max_num_seqs)
+            app.state.batches = BatchService(store, functools.partial(call_route, app), config.batch_concurrency or async_engine.engine.config.max_num_seqs)
             app.state.batches.resume()       # batches a previous run left unfinished carry on
             try:
                 yield
@@ -68,7 +70,7 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
                 await app.state.batches.stop()
                 await async_engine.stop()
 
-    app = FastAPI(title="tokenfab", version=tokenfab.__version__, lifespan=lifespan,
+    app = FastAPI(title="tokenfab", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tokenfab = state
     install_error_handlers(app)
@@ -131,7 +133,7 @@ def _add_small_routes(app: FastAPI, st: ServerState) -> None:
 
     @_get_and_head(app, "/version")
     async def version() -> dict:
-        return {"version": tokenfab.__version__}
+        return {"version": __version__}
 
     @_get_and_head(app, "/v1/models")
     async def models() -> dict:

@@ -143,7 +143,7 @@ def serve_command(args: argparse.Namespace) -> int:
     apply_slo_to_step_budget(engine_config, server_config)
     step_log = None
     if args.step_log:                   # opened before the slow model load, so a bad path fails fast
-        from tokenfab.cli import CLIError
+        from tokenfab.cli_errors import CLIError
         from tokenfab.costmodel.measured import StepLog
         try:
             step_log = StepLog(args.step_log)
@@ -168,7 +168,7 @@ def serve_command(args: argparse.Namespace) -> int:
         engine = _load_engine(engine_config)
         engine.step_observer = step_log
     if spec is not None:
-        from tokenfab.serve_ray.deploy import ingress_app
+        from tokenfab.server.ingress import ingress_app
         app = ingress_app(engine, server_config)
     else:
         from tokenfab.server.app import build_app

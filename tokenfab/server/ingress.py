@@ -1,5 +1,6 @@
-"""The ingress's /metrics additions under --replicas: each replica's engine stats with `pool` and
-`replica` labels, the pools' sizes, and every routing decision.
+"""The server's app as the ingress of the Ray Serve replica pools (--replicas): `ingress_app`, and its
+/metrics additions: each replica's engine stats with `pool` and `replica` labels, the pools' sizes, and
+every routing decision.
 
 The server's own families (tokenfab:num_requests_running, tokenfab:prefix_cache_hits, ...) stay as they
 are and show the sum over the replicas (server/metrics.py reads the pool engine's summed stats); the
@@ -11,6 +12,7 @@ from __future__ import annotations
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenfab.serve_ray import routing
+from tokenfab.server.app import build_app
 from tokenfab.server.metrics import PREFIX
 
 _GAUGES = [("num_requests_running", "num_running"), ("num_requests_waiting", "num_waiting"),
@@ -51,3 +53,12 @@ class ReplicaCollector:
                                 "failed before their first output.", labels=["model_name"])
         c.add_metric([self.model_name], float(self.pool_engine.retries))
         yield c
+
+
+def ingress_app(pool_engine, server_config):
+    """The server's FastAPI app (the same routes) on the pools (serve_ray/pool.py's ReplicaPoolEngine),
+    with the per-replica series and routing decisions added to its /metrics."""
+    app = build_app(pool_engine, server_config)
+    state = app.state.tokenfab
+    state.metrics.registry.register(ReplicaCollector(pool_engine, state.model_name))
+    return app

@@ -1,5 +1,8 @@
 """`tokenfab batch run INPUT -o OUTPUT`: an OpenAI batch file through the engine, no server.
 
+It lives with the server because the lines run through the server's own routes (batch_dispatch.py);
+tokenfab.batch keeps the resumable runner.
+
 Registering the parser imports neither torch nor FastAPI; the handler does, once it runs.
 """
 from __future__ import annotations
@@ -32,7 +35,7 @@ def add_parser(subparsers) -> None:
 def run_command(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from tokenfab.cli import CLIError
+    from tokenfab.cli_errors import CLIError
     from tokenfab.engine_args import engine_config_from_args
     if not Path(args.input).is_file():
         raise CLIError(f"{args.input}: no such file")
@@ -41,8 +44,9 @@ def run_command(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     from tokenfab.batch.offline import run_file
     from tokenfab.engine.engine import LLMEngine
+    from tokenfab.server.batch_dispatch import offline_routes
     engine = LLMEngine(config)
-    summary = run_file(engine, args.input, args.output, args.concurrency or config.max_num_seqs,
+    summary = run_file(offline_routes(engine), args.input, args.output, args.concurrency or config.max_num_seqs,
                        show_progress=args.progress and sys.stderr.isatty())
     resumed = f" ({summary['resumed']} done by an earlier run)" if summary["resumed"] else ""
     print(f"{summary['total']} lines{resumed}: {summary['completed']} succeeded, {summary['failed']} failed "
