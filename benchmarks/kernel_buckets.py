@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tokenfab import LLM, SamplingParams  # noqa: E402
 from tokenfab.kernels import linear as seam  # noqa: E402
 from tokenfab.kernels.linear import plan_linears  # noqa: E402
-from tokenfab.kernels.tuning import KernelTable, select_kernels  # noqa: E402
+from tokenfab.kernels.select import select_kernels  # noqa: E402
+from tokenfab.kernels.tuning import KernelTable  # noqa: E402
 from tokenfab.model.bundled import bundled_model_path  # noqa: E402
 
 

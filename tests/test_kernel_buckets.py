@@ -9,7 +9,8 @@ from torch import nn
 
 from tokenfab.kernels import linear as seam
 from tokenfab.kernels import tuning
-from tokenfab.kernels.tuning import KernelTable, select_kernels
+from tokenfab.kernels.select import select_kernels
+from tokenfab.kernels.tuning import KernelTable
 from tokenfab.model.layers import FloatLinear
 from tokenfab.quant.linear import Int4Linear
 

@@ -9,7 +9,8 @@ from torch import nn
 
 from tokenfab import kernels
 from tokenfab.kernels import linear as seam
-from tokenfab.kernels.tuning import KernelTable, select_kernels
+from tokenfab.kernels.select import select_kernels
+from tokenfab.kernels.tuning import KernelTable
 from tokenfab.model.layers import FloatLinear
 from tokenfab.quant.kquants import KQUANT_LINEAR_TYPES, quantize_q4_k
 from tokenfab.quant.linear import Int4BlockLinear, Int4Linear, Int8Linear, Q8_0Linear, W8A8Linear

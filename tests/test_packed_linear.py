@@ -47,7 +47,7 @@ def test_pack_linears_swaps_float_linears_and_keeps_a_tied_weight_readable():
 def test_select_kernels_drops_each_float_weight_as_its_oneDNN_plan_goes_in():
     """A float model's load holds one form of each weight at a time: when a layer's plan is installed,
     every layer planned before it has already given up its plain weight (tied ones keep theirs)."""
-    from tokenfab.kernels.tuning import select_kernels
+    from tokenfab.kernels.select import select_kernels
     from tokenfab.model.layers import float_weight_releaser
     torch.manual_seed(0)
     m = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)], nn.Embedding(10, 64), nn.Linear(64, 10, bias=False))

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from tokenfab import kernels
 from tokenfab.kernels import linear as seam
-from tokenfab.kernels.tuning import KernelTable, select_kernels
+from tokenfab.kernels.select import select_kernels
+from tokenfab.kernels.tuning import KernelTable
 from tokenfab.quant.kquants import KQUANT_LINEAR_TYPES
 from tokenfab.quant.linear import Int4Linear, Int8Linear, Q8_0Linear
 

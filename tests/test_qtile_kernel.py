@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from tokenfab import kernels
 from tokenfab.kernels import linear as seam
-from tokenfab.kernels.tuning import KernelTable, select_kernels
+from tokenfab.kernels.select import select_kernels
+from tokenfab.kernels.tuning import KernelTable
 from tests.test_qdot_kernels import ISAS, _layers as qdot_layers
 from tokenfab.quant.linear import Int4Linear, Int8Linear, Q4_1Linear, Q8_0Linear
 

@@ -46,7 +46,8 @@ def kernel_times(config: dict, batch: int) -> list | None:
     `linear_plans` label and its kernel table, when that file is on this machine; else None."""
     import json
 
-    from tokenfab.kernels.tuning import KernelTable, step_time
+    from tokenfab.kernels.select import step_time
+    from tokenfab.kernels.tuning import KernelTable
     path, plans = config.get("kernel_table"), config.get("linear_plans")
     if not path or not plans or not os.path.exists(str(path)):
         return None

@@ -270,7 +270,7 @@ def decode_bandwidth(m: Measured, dep=None) -> Finding | None:
 
 def decode_efficiency(m: Measured, dep=None, kernels: list | None = None) -> Finding | None:
     """Memory-bound decode steps several times their roofline: the step, not the load, is the bottleneck.
-    `kernels`: (shape, linears, kernel, seconds) per linear shape at this batch (tuning.step_time, from the
+    `kernels`: (shape, linears, kernel, seconds) per linear shape at this batch (kernels/select.py's step_time, from the
     server's kernel table), slowest first, when the doctor could read them. At a small batch without
     them, or with the kernels a minor share, the time is the host's (host_overhead) instead."""
     got = _decode_ceiling(m, dep)

@@ -27,7 +27,7 @@ from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.engine.sliding_kv import SlidingBlocks, fit_blocks, pool_size, sliding_layer_share
 from tokenfab.engine.threads import ThreadController, free_cores
 from tokenfab import kernels
-from tokenfab.kernels.tuning import select_kernels
+from tokenfab.kernels.select import select_kernels
 from tokenfab.model.attention import kv_bytes_per_token, kv_cache_torch_dtype
 from tokenfab.model.backends import bf16_prefill_rows, c_float16_pools
 from tokenfab.model.layers import float_weight_releaser, pack_linears

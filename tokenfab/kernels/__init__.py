@@ -19,6 +19,12 @@ a compiler, or when the build fails, `enabled()` is False (one warning in the lo
 its torch path. TOKENFAB_CPU_KERNELS=0 turns them off (the torch path is the reference in tests and
 the baseline in benchmarks).
 
+Modules: build.py (sources, ISA variants, compiling and the build cache), layouts.py (the weight layouts
+the kernels read and their flags), linear.py (the linear-kernel seam and its registry), tuning.py (the
+measured kernel table and the hand-made rules), select.py (each linear's kernels chosen at load). This
+module holds which variant is loaded and the ctypes wrappers; the names of build.py and layouts.py are
+re-exported here.
+
 Every wrapper takes float32, contiguous CPU tensors (checked by the caller's `usable` test; `rms_norm`
 may write and `silu_mul` take and write bfloat16, for the bf16 prefill GEMMs) and writes its output in
 place; they are thin, because they run 60-120 times per decode step.
@@ -26,33 +32,18 @@ place; they are thin, because they run 60-120 times per decode step.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 
 import torch
 
+from tokenfab.kernels.build import (FLAGS, ISA_BITS, ISA_VARIANTS, NATIVE, SOURCE_DIR, _I, _P, _F, _cpu_model,  # noqa: F401
+                                    available_isas, build_library, cpu_flags, source_digest, sources)
+from tokenfab.kernels.layouts import (KQUANT_BLOCK_BYTES, KQUANT_TYPES, QDOT_FLAG, QDOT_KQUANT_TYPES,  # noqa: F401
+                                      QTILE_FLAG, QTILE_HALF, QTILE_MAX_ROWS, layout_in_features, qtile_pack)
+
 log = logging.getLogger(__name__)
 
-SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")   # the C sources: *.c + common.h
-# -Bsymbolic: each variant's own calls bind inside it, so two variants loaded in one process (set_isa) never mix
-FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-Wl,-Bsymbolic"]
-# variant -> (compiler flags, /proc/cpuinfo flags it needs); lowest first. x86-64-v3 is AVX2+FMA+F16C,
-# x86-64-v4 adds AVX-512 F/BW/CD/DQ/VL. -mtune=native keeps this CPU's scheduling and vector-width choice.
-ISA_VARIANTS = {
-    "avx2": (["-march=x86-64-v3", "-mtune=native"], {"avx2", "fma", "f16c"}),
-    "avx_vnni": (["-march=x86-64-v3", "-mavxvnni", "-mtune=native"], {"avx2", "fma", "f16c", "avx_vnni"}),
-    "avx512": (["-march=x86-64-v4", "-mtune=native"],
-               {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}),
-    "avx512_vnni": (["-march=x86-64-v4", "-mavx512vnni", "-mtune=native"],
-                    {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"}),
-}
-NATIVE = "native"                   # non-x86 machines, or x86 without AVX2: -march=native, whatever it has
-ISA_BITS = {1: "avx2", 2: "avx512", 4: "avx512_vnni", 8: "avx_vnni"}   # tf_isa()'s mask (csrc/qdot.c)
 MAX_HEAD_DIM = 512      # rope's scratch row (csrc/rowwise.c)
 
 _lib = None
@@ -61,35 +52,6 @@ _isa: str | None = None             # the variant loaded
 _forced_isa: str | None = None      # set_isa()
 _qbf16_ready = False                # qbf16 asked for AMX bf16 once (the tile permission is per process)
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {
-    "tf_rms_norm": [_P, _P, _P, _I, _I, _F],
-    "tf_rms_norm_bf16": [_P, _P, _P, _I, _I, _F],
-    "tf_add_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _F, _I, _I],
-    "tf_rope_write_kv": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
-    "tf_decode_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F],
-    "tf_decode_attention_window": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
-    "tf_paged_decode_attention": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
-    "tf_paged_decode_attention_f16": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
-    "tf_rope_write_kv_f16": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
-    "tf_silu_mul": [_P, _P, _I, _I],
-    "tf_argmax_rows": [_P, _P, _I, _I, _I],
-    "tf_silu_mul_bf16": [_P, _P, _I, _I],
-    "tf_gelu_tanh_mul": [_P, _P, _I, _I],
-    "tf_qgemm": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
-    "tf_kgemm": [_P, _P, _I, _I, _I, _P, _I],
-    "tf_kdequant": [_P, _P, _I, _I, _I],
-    "tf_qdot": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
-    "tf_qtile": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
-    "tf_qtile_ref": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
-    "tf_qtile_vnni": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
-    "tf_qbf16": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
-    "tf_qmadd": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
-    "tf_decode_layers": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I, _F],
-    "tf_pool_stats": [_P],
-    "tf_pool_config": [_I, _I, _I],
-    "tf_pool_threads": [_I],
-}
 QGEMM_MAX_ROWS = 16     # rows tf_qgemm takes (8 per pass over W, TF_MAX_ROWS in csrc/common.h); 2-core VM: beats the
                         # float32 GEMM by 25-37 % at 9-16 decode rows, even at 24, behind at 32
 
@@ -112,43 +74,6 @@ def release_thread_pool() -> bool:
     return pause(2) == 0                 # omp_pause_hard
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "flags")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cache_dir() -> str:
-    root = os.environ.get("TOKENFAB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tokenfab")
-    return os.path.join(root, "kernels")
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo names them (empty where it can't be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def available_isas() -> list[str]:
-    """The ISA variants this CPU can run, lowest first (["native"] off x86-64 or without AVX2)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return [NATIVE]
-    have = cpu_flags()
-    ok = [name for name, (_, needs) in ISA_VARIANTS.items() if needs <= have]
-    return ok or [NATIVE]
-
-
 def _wanted_isa() -> str:
     """set_isa's choice, else TOKENFAB_CPU_ISA, else the best variant the CPU has (a request the CPU
     can't run falls back to the best, with a warning: its instructions would crash the process)."""
@@ -162,54 +87,12 @@ def _wanted_isa() -> str:
     return want
 
 
-def sources() -> list[str]:
-    """The library's C files (csrc/*.c, sorted by name), compiled in one gcc command into one shared library."""
-    return [os.path.join(SOURCE_DIR, name) for name in sorted(os.listdir(SOURCE_DIR)) if name.endswith(".c")]
-
-
-def source_digest() -> bytes:
-    """sha256 of every source and header file in csrc/ (each one's name and contents, sorted by name): any
-    edit, added, removed or renamed file changes it (the build cache's key, the kernel table's too)."""
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(SOURCE_DIR)):
-        if name.endswith((".c", ".h")):
-            with open(os.path.join(SOURCE_DIR, name), "rb") as f:
-                data = f.read()
-            h.update(name.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
-    return h.digest()
-
-
 def _build() -> ctypes.CDLL | None:
     global _isa
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        log.warning("no C compiler found: tokenfab's CPU kernels are off, the torch path runs instead")
-        return None
-    srcs, digest = sources(), source_digest()
     isa = _wanted_isa()
-    flags = FLAGS + (ISA_VARIANTS[isa][0] if isa in ISA_VARIANTS else ["-march=native"])
-    key = hashlib.sha256(digest + " ".join([cc] + flags).encode() + _cpu_model().encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"cpu-{isa}-{key}.so")
-    if not os.path.exists(path):
-        os.makedirs(_cache_dir(), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
-        os.close(fd)
-        proc = subprocess.run([cc, *flags, *srcs, "-o", tmp, "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            log.warning("building tokenfab's CPU kernels failed, the torch path runs instead:\n%s",
-                        proc.stderr.strip()[-2000:])
-            return None
-        os.replace(tmp, path)        # atomic: concurrent builders never load a half-written file
-    lib = ctypes.CDLL(path)
-    for name, args in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
-    lib.tf_isa.argtypes, lib.tf_isa.restype = [], ctypes.c_int64
-    lib.tf_amx_available.argtypes, lib.tf_amx_available.restype = [], ctypes.c_int64
-    lib.tf_qtile_vnni.restype = ctypes.c_int64
-    lib.tf_amx_bf16_available.argtypes, lib.tf_amx_bf16_available.restype = [], ctypes.c_int64
-    _isa = isa
+    lib = build_library(isa)
+    if lib is not None:
+        _isa = isa
     return lib
 
 
@@ -426,20 +309,11 @@ def qmadd(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     return _layout_call(_lib.tf_qmadd, x, q, d, m, group_size, bits, out_features)
 
 
-QDOT_FLAG = 256          # tf_qgemm's `bits | QDOT_FLAG` runs tf_qdot (a qdot layout in the decode stack)
-QDOT_KQUANT_TYPES = (12, 14)   # Q4_K, Q6_K: the K-quants tf_qdot multiplies in integers
-
-
 def qdot(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group_size: int, bits: int,
          out_features: int) -> torch.Tensor:
     """As `qgemm`, with activations as int8 per block of 32 (llama.cpp's approach) and integer dot
     products: vpdpbusd where the build has VNNI, AVX2 maddubs otherwise (tf_qdot, csrc/qdot.c)."""
     return _layout_call(_lib.tf_qdot, x, q, d, m, group_size, bits, out_features)
-
-
-QTILE_FLAG = 512         # tf_qgemm's `bits | QTILE_FLAG` runs tf_qtile (a qtile layout in the decode stack)
-QTILE_MAX_ROWS = 16      # rows tf_qtile takes per pass over the weight (TF_QTILE_ROWS in csrc/amx_qtile.c)
-QTILE_HALF = 1024        # a qtile layout's `bits | QTILE_HALF`: its scales and offsets are float16 (TF_QTILE_HALF)
 
 
 def amx_available() -> bool:
@@ -452,40 +326,6 @@ def qtile_vnni_available() -> bool:
     """True when the loaded kernels run tf_qtile's AVX-512 VNNI path (a build for avx512_vnni): 1-row calls
     where AMX runs too (1.3x the tile unit's speed on int4), every row count where AMX is missing."""
     return enabled() and "avx512_vnni" in compiled_features()
-
-
-def qtile_pack(layout: tuple, out_features: int) -> tuple:
-    """A tf_qgemm layout (q, d, m, gs, bits 4 or 8) -> tf_qtile's (csrc/amx_qtile.c): outputs in tiles of 16, each
-    block of 32 inputs as the tile unit's B operand (int8 as is; int4 as nibbles, two B rows per 64
-    bytes); the scales and int4's offsets tiled [out / 16, groups, 16] (a block's 16 in one load), in
-    float16 when that is exact (GGUF's blocks store float16: `bits | QTILE_HALF`), else float32. Int4
-    repacks the same bytes as the input layout; int8 copies its weight (the Q8_0 LM head: 27 MiB more);
-    the tiled scales are copies too (float16: 8 MiB on the bundled model)."""
-    q, d, m, gs, bits = layout
-    N = out_features
-    assert bits in (4, 8) and N % 16 == 0 and q.shape[0] == N
-    K = q.shape[1] * (2 if bits == 4 else 1)
-    nb, T = K // 32, N // 16
-    if bits == 4:
-        raw = q.view(torch.uint8).reshape(N, nb, 16)
-        w = torch.cat([raw & 0x0F, raw >> 4], dim=2)                 # [N, nb, 32], weight j in lane j
-    else:
-        w = q.view(torch.uint8).reshape(N, nb, 32)
-    w = w.reshape(T, 16, nb, 8, 4).permute(0, 2, 3, 1, 4)           # [T, nb, B row i, output n, k 4i + j]
-    if bits == 4:                                                     # rows 2c, 2c + 1 share chunk c's bytes
-        w = w.reshape(T, nb, 4, 2, 16, 4)
-        packed = (w[:, :, :, 0] | (w[:, :, :, 1] << 4)).contiguous().view(N, K // 2)
-    else:
-        packed = w.contiguous().view(torch.int8).view(N, K)
-    G = d.shape[1]
-
-    def tiled(v):                                                     # [N, G] -> [N / 16, G, 16]
-        return v.float().reshape(T, 16, G).transpose(1, 2).contiguous()
-
-    dt, mt = tiled(d), None if m is None else tiled(m)
-    if all(v is None or torch.equal(v.half().float(), v) for v in (dt, mt)):    # GGUF's own: exact in float16
-        dt, mt, bits = dt.half(), None if mt is None else mt.half(), bits | QTILE_HALF
-    return packed, dt, mt, gs, bits | QTILE_FLAG
 
 
 def qtile(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group_size: int, bits: int,
@@ -530,17 +370,6 @@ def qbf16(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
 
 # GGUF K-quant types tf_qgemm reads as stored (its `bits` argument is then ggml's type id): super-blocks
 # of 256 weights, bytes per super-block (csrc/kquant.c, tf_kquant_block_bytes).
-KQUANT_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-KQUANT_BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210}
-
-
-def layout_in_features(layout: tuple) -> int:
-    """The input width a tf_qgemm layout (q, d, m, gs, bits) covers."""
-    q, _, _, _, bits = layout
-    bits &= ~(QDOT_FLAG | QTILE_FLAG | QTILE_HALF)
-    if bits in KQUANT_BLOCK_BYTES:
-        return q.shape[1] // KQUANT_BLOCK_BYTES[bits] * 256
-    return q.shape[1] * (2 if bits == 4 else 1)
 
 
 def kdequant(raw: torch.Tensor, type_id: int, out_features: int, in_features: int) -> torch.Tensor:

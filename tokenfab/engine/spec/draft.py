@@ -50,7 +50,7 @@ def draft_kv_bytes_per_token(files, kv_dtype: torch.dtype) -> int:
 def build_draft_model(files, engine_config, dtype: torch.dtype, kv_dtype: torch.dtype, max_positions: int):
     """The draft model with its kernels chosen as the engine chooses the target's (measured table,
     one-call decode stack), at most `max_num_seqs` rows per draft step."""
-    from tokenfab.kernels.tuning import select_kernels
+    from tokenfab.kernels.select import select_kernels
     from tokenfab.model.layers import pack_linears, release_float_weights
     from tokenfab.quant.kernels import KERNEL_ALIASES
     from tokenfab.quant.load import build_model
