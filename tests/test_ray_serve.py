@@ -36,7 +36,8 @@ def cluster(request):
     from tokenfab.config import EngineConfig
     from tokenfab.server.config import ServerConfig
     from tokenfab.server.launch import ServerThread
-    from tokenfab.serve_ray.deploy import PoolSpec, ServeSpec, start_pools, stop_pools
+    from tokenfab.serve_ray.deploy import start_pools, stop_pools
+    from tokenfab.serve_spec import PoolSpec, ServeSpec
     from tokenfab.server.ingress import ingress_app
 
     try:
@@ -129,7 +130,7 @@ def test_prefix_affinity_is_stable_and_bounded_by_load():
 
 def test_emitted_serve_config_loads(tmp_path):
     from tokenfab.cli import main
-    from tokenfab.serve_ray.deploy import spec_from_config
+    from tokenfab.serve_spec import spec_from_config
     path = tmp_path / "serve.yaml"
     assert main(["plan", "capacity", "--hardware", "rtx-3090", "--rate", "20", "--num-requests", "100",
                  "--emit", "serve-config", str(path)]) == 0
@@ -156,7 +157,7 @@ def test_replica_flags_misused_get_a_message_not_a_cluster(argv, says, capsys):
 
 
 def test_a_config_that_is_not_ray_serve_is_refused(tmp_path):
-    from tokenfab.serve_ray.deploy import spec_from_config
+    from tokenfab.serve_spec import spec_from_config
     bad = tmp_path / "bad.yaml"
     bad.write_text("applications:\n- name: x\n  import_path: other.module:app\n")
     with pytest.raises(ValueError, match="tokenfab runs only"):
@@ -313,7 +314,8 @@ def test_tensor_parallel_replica_runs_its_ranks_as_ray_actors_and_matches_one_en
     from tokenfab import LLM, SamplingParams
     from tokenfab.server.config import ServerConfig
     from tokenfab.server.launch import ServerThread
-    from tokenfab.serve_ray.deploy import PoolSpec, _deployment
+    from tokenfab.serve_ray.deploy import _deployment
+    from tokenfab.serve_spec import PoolSpec
     from tokenfab.server.ingress import ingress_app
     from tokenfab.serve_ray.pool import ReplicaPoolEngine
     folder = str(tmp_path_factory.mktemp("tiny-llama-tp"))

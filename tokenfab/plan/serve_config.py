@@ -18,12 +18,13 @@ import math
 
 import yaml
 
+from tokenfab.serve_spec import DEFAULT_MEMORY, PoolSpec, ServeSpec, serve_config
+
 KINDS = ("serve-config",)
 
 
 def capacity_serve_config(result: dict, num_cpus: float = 1.0, memory: int | None = None) -> dict:
     """The Ray Serve config for a `run_capacity` result (raises ValueError when the plan found no answer)."""
-    from tokenfab.serve_ray.deploy import DEFAULT_MEMORY, PoolSpec, ServeSpec, serve_config
     replicas = result.get("replicas")
     online = result.get("online") or {}
     if not replicas:

@@ -19,12 +19,13 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
+from tokenfab.serve_spec import LONG_POOL, SHORT_POOL  # noqa: F401  (the pools' names)
+
 # Reasons, as they appear in the metric's `reason` label.
 AFFINITY = "prefix_affinity"          # the prefix's preferred replica
 SPILL = "prefix_overflow"             # the preferred replica was over the load bound: next in the ranking
 LEAST_LOADED = "least_loaded"         # no prefix key (prompt shorter than a block)
 
-SHORT_POOL, LONG_POOL = "main", "long"
 
 
 @dataclass(frozen=True)
