@@ -93,7 +93,7 @@ def main() -> None:
         del llm
     print(f"gguf / none: {rates['gguf'] / rates['none']:.2f}x")
     from tokenfab.config import EngineConfig
-    from tokenfab.engine.sliding_kv import sliding_savings
+    from tokenfab.worker.kv_sizing import sliding_savings
     saved = sliding_savings(cfg, EngineConfig(), cfg.kv_bytes_per_token(4))
     full, held = saved["kv_bytes_8k_float32_all_positions"], saved["kv_bytes_8k_float32_held"]
     print(f"KV of one sequence at 8192 tokens, float32: {full / 2**20:.1f} MiB with every position in every layer; "

@@ -11,7 +11,7 @@ import torch
 
 from tests.oracle import hf_greedy
 from tokenfab import LLM, SamplingParams, kernels
-from tokenfab.engine.sliding_kv import per_sequence_blocks
+from tokenfab.worker.kv_sizing import per_sequence_blocks
 
 NEW_TOKENS = 40
 WINDOW = 16
@@ -235,7 +235,7 @@ def test_long_generation_is_the_same_with_and_without_the_sliding_pool(tiny_gemm
 def test_kv_sizing_counts_the_sliding_pool_savings(tiny_gemma3):
     """The same KV memory holds more tokens when the sliding layers keep only their window, and
     `tokenfab info` reports the same rule."""
-    from tokenfab.engine.sliding_kv import sliding_savings
+    from tokenfab.worker.kv_sizing import sliding_savings
     kw = dict(kv_cache_memory_bytes=4 << 20, max_num_seqs=2, max_model_len=1024)
     on, off = (_llm(tiny_gemma3[0], sliding_window_pool=p, **kw).engine for p in (True, False))
     assert off.block_manager.sliding is None

@@ -22,7 +22,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("kernels", ["kernels"]),
     ("models", ["model"]),
     ("quantized weights", ["quant"]),
-    ("executors and workers", ["distributed"]),
+    ("workers", ["worker"]),
+    ("executors", ["distributed"]),
     ("engine core", ["engine"]),
     ("engine front ends", ["llm", "batch", "serve_ray"]),
     ("tools", ["bench", "plan"]),
@@ -38,7 +39,7 @@ LEAVES = set(LAYERS[0][1])
 FORBIDDEN = {
     ("engine", "server"), ("engine", "plan"), ("engine", "bench"),   # the engine core serves them, never asks them
     ("engine", "model"), ("engine", "quant"),                         # ... nor builds the model: the worker does
-    ("distributed", "engine"),                                        # the executor runs workers for the core
+    ("distributed", "engine"), ("worker", "engine"),                  # the executor runs workers for the core
     ("kernels", "model"), ("kernels", "quant"), ("kernels", "engine"),
     ("bench", "engine"), ("bench", "model"),                          # bench measures any server over HTTP
 }

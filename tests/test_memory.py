@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tokenfab.config import EngineConfig
-from tokenfab.engine.engine import kv_pool_blocks
-from tokenfab.engine.memory import float_copy_budget, process_rss, release_freed_memory
-from tokenfab.engine.runner import reserve_zeros
+from tokenfab.worker.kv_sizing import kv_pool_blocks
+from tokenfab.worker.memory import float_copy_budget, process_rss, release_freed_memory
+from tokenfab.worker.model_runner import reserve_zeros
 
 GIB = 1 << 30
 
@@ -39,8 +39,7 @@ def test_float_copies_are_off_while_decode_steps_fit_the_c_kernel_and_on_beyond(
     on, why = float_copy_budget(EngineConfig(max_num_seqs=64), avail, 0)
     assert on == int(avail * 0.25) and "auto" in why
     # speculation: 4 sequences x (1 + 4 drafts) = 20 rows per decode step
-    spec = EngineConfig(max_num_seqs=4, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    assert float_copy_budget(spec, avail, 0)[0] > 0
+    assert float_copy_budget(EngineConfig(max_num_seqs=4), avail, 0, num_speculative_tokens=4)[0] > 0
     # the KV pool beyond its own fraction comes out of the copies' share
     assert float_copy_budget(EngineConfig(max_num_seqs=64), avail, int(avail * 0.4))[0] == int(avail * 0.05)
 

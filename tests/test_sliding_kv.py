@@ -4,7 +4,8 @@ are gone. The model-level tests (token-exact output with the pool) are in test_g
 from tokenfab import SamplingParams
 from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.sequence import Sequence
-from tokenfab.engine.sliding_kv import SlidingBlocks, per_sequence_blocks
+from tokenfab.engine.sliding_kv import SlidingBlocks
+from tokenfab.worker.kv_sizing import per_sequence_blocks
 
 BS = 4
 WINDOW = 16
@@ -64,7 +65,7 @@ def test_prefix_hit_is_cut_where_the_windows_sliding_blocks_were_evicted():
 
 
 def test_fit_blocks_charges_only_the_global_layers_past_the_sliding_need():
-    from tokenfab.engine.sliding_kv import fit_blocks
+    from tokenfab.worker.kv_sizing import fit_blocks
     gb, sb = 100, 500                                    # 1 global layer's block bytes, 5 sliding layers'
     assert fit_blocks(600 * 10 + 500, gb, sb, sliding_need=50) == 10   # under the need: both pools grow
     # 20 sliding blocks (+ the zero block) cost 10,500; the rest of 100,000 buys global blocks at 100 each

@@ -191,7 +191,7 @@ def cmd_info(args) -> int:
     }
     if cfg.sliding_window:      # Gemma 3: what the sliding layers' own pool saves (engine/sliding_kv.py)
         from tokenfab.config import EngineConfig
-        from tokenfab.engine.sliding_kv import sliding_savings
+        from tokenfab.worker.kv_sizing import sliding_savings
         info["sliding_window"] = {
             "window": cfg.sliding_window, "sliding_layers": sum(map(cfg.is_sliding, range(cfg.num_layers))),
             "layers": cfg.num_layers, "local_rope_theta": cfg.rope_local_theta,

@@ -1,7 +1,11 @@
-"""Rank 0's side of tensor parallelism: launch the worker ranks, send them each step, shut them down.
+"""Rank 0's side of tensor parallelism: build rank 0's Worker, launch the worker ranks, send them each
+step, shut them down.
 
-    runner = TensorParallelRunner.start(config, model_path, runner, num_blocks, max_positions)
+    executor = TensorParallelExecutor(config)      # rank 0's shard, kernels and KV sizing (worker/worker.py)
+    executor.init_kv_cache()                       # rank 0's pool; ranks 1..t-1 load theirs and join
 
+Every rank runs the same Worker on a per-rank config (`rank_config`: the caller's config is left as it
+is) and allocates the KV pool rank 0 sized (`KVCacheSpec`: dtype, blocks, longest sequence).
 `TensorParallelRunner` is a ModelRunner (same `prepare`, same KV pool for rank 0's heads) whose
 `execute` first sends the step to the workers (worker.py). The workers are `torch.multiprocessing`
 spawn processes (a clean interpreter each: no forked OpenMP or torch state), or Ray actors when the
@@ -18,22 +22,25 @@ import os
 import sys
 import time
 import weakref
+from dataclasses import replace
 
 import torch
 
 from tokenfab.distributed import group, shm
 from tokenfab.distributed.worker import STOP, encode_step, worker_main
-from tokenfab.engine.runner import ModelRunner
+from tokenfab.worker.model_runner import ModelRunner
+from tokenfab.worker.worker import KVCacheSpec, Worker
 
 log = logging.getLogger("tokenfab.distributed")
 
 LOAD_TIMEOUT_S = float(os.environ.get("TOKENFAB_TP_LOAD_TIMEOUT", "900"))
 
 
-def prepare_rank0(config) -> None:
-    """Before rank 0 builds its shard: clear errors for what tensor parallelism does not combine with
-    yet, the one-call C decode stack off (it has no all-reduce between layers: the layers run one by
-    one, each with the cpu backend's C attention and norms where it applies), and rank 0's threads."""
+def rank_config(config):
+    """The config every rank builds with (a copy; the caller's is unchanged), after clearing errors for
+    what tensor parallelism does not combine with yet: the one-call C decode stack off (it has no
+    all-reduce between layers: the layers run one by one, each with the cpu backend's C attention and
+    norms where it applies)."""
     if config.speculative_config is not None:
         raise ValueError("speculative decoding does not run with tensor_parallel_size > 1 yet; drop one of them")
     if torch.device(config.device).type == "cuda" and choose_launcher(config) == "mp" \
@@ -41,8 +48,27 @@ def prepare_rank0(config) -> None:
         raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} needs as many GPUs; "
                          f"{torch.cuda.device_count()} visible")
     group.allreduce_backend(config, choose_launcher(config))      # a tp_allreduce that cannot run here
-    config.enable_fused_decode = False
-    torch.set_num_threads(threads_per_rank(config))
+    return replace(config, enable_fused_decode=False)
+
+
+class TensorParallelExecutor:
+    """The engine's executor for tensor_parallel_size > 1 (worker/executor.py names the surface)."""
+
+    def __init__(self, config, loaded=None, speculative=None):
+        self.config = rank_config(config)
+        torch.set_num_threads(threads_per_rank(config))       # rank 0's share of the cores
+        self.worker = Worker(self.config, loaded=loaded, speculative=speculative)
+        self.runner: TensorParallelRunner | None = None
+
+    def init_kv_cache(self, sliding=None) -> None:
+        """Rank 0's pool, then ranks 1..t-1 (each loads its shard and allocates rank 0's `kv`)."""
+        runner = self.worker.init_kv_cache(sliding)
+        self.runner = TensorParallelRunner.start(replace(self.config, model=self.worker.model_path), runner,
+                                                 self.worker.kv)
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
 
 
 LAUNCHERS = ("mp", "ray")
@@ -85,16 +111,14 @@ class _Workers:
         self.procs, self.conns = [], []
         self.store = None       # rank 0's rendezvous store: kept for the group's lifetime
 
-    def launch(self, config, model_path: str, num_blocks: int, max_positions: int, threads: int,
-               shared: torch.Tensor | None = None) -> None:
+    def launch(self, config, kv: KVCacheSpec, threads: int, shared: torch.Tensor | None = None) -> None:
         """Start ranks 1..t-1 and wait until each has loaded its shard (RuntimeError naming the rank if not).
         `shared`: the shared-memory all-reduce's buffer (shm.allocate), handed to each rank at spawn."""
         ctx = torch.multiprocessing.get_context("spawn")
         for rank in range(1, config.tensor_parallel_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=worker_main, name=f"tokenfab-tp{rank}", daemon=True,
-                            args=(rank, config.tensor_parallel_size, config, model_path, num_blocks, max_positions,
-                                  threads, child, os.getpid(), shared))
+                            args=(rank, config, kv, threads, child, os.getpid(), shared))
             p.start()
             child.close()
             self.procs.append(p)
@@ -148,12 +172,12 @@ class TensorParallelRunner(ModelRunner):
     """Rank 0's ModelRunner: sends each step to the worker ranks, then runs its own shard."""
 
     @classmethod
-    def start(cls, config, model_path: str, runner: ModelRunner, num_blocks: int,
-              max_positions: int) -> "TensorParallelRunner":
-        """Launch ranks 1..t-1, wait until each has loaded its shard, then form the process group.
-        Raises RuntimeError naming the rank and its error when a worker cannot load."""
+    def start(cls, config, runner: ModelRunner, kv: KVCacheSpec) -> "TensorParallelRunner":
+        """Launch ranks 1..t-1 (`config`: the rank config, naming the model files rank 0 read), wait until
+        each has loaded its shard, then form the process group. Raises RuntimeError naming the rank and
+        its error when a worker cannot load."""
         self = cls.__new__(cls)
-        self.__dict__.update(runner.__dict__)     # rank 0's model and KV pool, built by the engine
+        self.__dict__.update(runner.__dict__)     # rank 0's model and KV pool, built by its Worker
         self.size = size = config.tensor_parallel_size
         self.error: str | None = None
         self.launcher = choose_launcher(config)
@@ -168,7 +192,7 @@ class TensorParallelRunner(ModelRunner):
         self.allreduce = group.allreduce_backend(config, self.launcher)
         shared = shm.allocate(size) if self.allreduce == "shm" else None
         try:
-            workers.launch(config, model_path, num_blocks, max_positions, threads, shared)
+            workers.launch(config, kv, threads, shared)
             if shared is not None:
                 where = "shared memory"
                 self.model.tp_comm.group = shm.ShmGroup(shared, 0, size, pids=[os.getpid(), *workers.pids()])

@@ -24,37 +24,37 @@ log = logging.getLogger("tokenfab.distributed")
 
 
 class RankActor:
-    """One worker rank (1 .. t-1) living in a Ray actor: its shard, its runner, its group."""
+    """One worker rank (1 .. t-1) living in a Ray actor: its Worker (worker/worker.py) and its group."""
 
-    def __init__(self, rank: int, size: int, config, path: str, num_blocks: int, max_positions: int,
-                 num_threads: int):
-        self.args = (rank, size, config, path, num_blocks, max_positions)
+    def __init__(self, rank: int, config, kv, num_threads: int):
+        self.args = (rank, config, kv)
         torch.set_num_threads(num_threads)
-        self.runner = self.device = None
+        self.worker = self.device = None
 
     def load(self) -> str:
         """"ok", or the error that stopped this rank loading (rank 0 raises it for the user)."""
         from tokenfab.distributed.worker import load_rank
-        rank, size, config, path, num_blocks, max_positions = self.args
+        rank, config, kv = self.args
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU: it is cuda:0 here, whatever the rank
         device = "cuda:0" if torch.device(config.device).type == "cuda" else None
         try:
-            self.runner, self.device = load_rank(rank, size, config, path, num_blocks, max_positions, device)
+            self.worker, self.device = load_rank(rank, config, kv, device)
         except BaseException as e:      # noqa: BLE001
             return f"rank {rank} failed to load: {type(e).__name__}: {e}"
         return "ok"
 
     def join(self, addr: str, port: int) -> None:
         from tokenfab.distributed.group import join_store, make_group
-        rank, size, config = self.args[:3]
+        rank, config, _ = self.args
+        size = config.tensor_parallel_size
         store = join_store(addr, port, size)
         self.store = store
         cuda = 0 if torch.device(config.device).type == "cuda" else None
-        self.runner.model.tp_comm.group = make_group(store, config.device, rank, size, cuda_index=cuda)
+        self.worker.model.tp_comm.group = make_group(store, config.device, rank, size, cuda_index=cuda)
 
     def execute(self, msg) -> None:
         from tokenfab.distributed.worker import decode_step
-        self.runner.execute(decode_step(msg, self.device))
+        self.worker.execute(decode_step(msg, self.device))
 
 
 def rank_options(config) -> dict:
@@ -79,8 +79,7 @@ class RayWorkers:
         self.actors, self.pending, self.store = [], [], None
         self.procs = []           # what tests of the mp launcher read; Ray actors are not processes of ours
 
-    def launch(self, config, model_path: str, num_blocks: int, max_positions: int, threads: int,
-               shared=None) -> None:
+    def launch(self, config, kv, threads: int, shared=None) -> None:
         import ray
         assert shared is None, "Ray actor ranks use gloo (group.allreduce_backend)"
         from tokenfab.distributed.executor import LOAD_TIMEOUT_S
@@ -91,7 +90,7 @@ class RayWorkers:
         cls = ray.remote(RankActor)
         size = config.tensor_parallel_size
         self.actors = [cls.options(name=None, max_restarts=0, **opts).remote(
-            rank, size, config, model_path, num_blocks, max_positions, threads) for rank in range(1, size)]
+            rank, config, kv, threads) for rank in range(1, size)]
         refs = [a.load.remote() for a in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=LOAD_TIMEOUT_S)
         if len(ready) < len(refs):

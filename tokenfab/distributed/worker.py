@@ -1,4 +1,5 @@
-"""A worker rank (1 .. t-1): build this rank's shard, then run every step rank 0 sends, until told to stop.
+"""A worker rank (1 .. t-1): build this rank's shard with the same Worker as rank 0 (worker/worker.py),
+then run every step rank 0 sends, until told to stop.
 
 Rank 0 owns the scheduler, the block tables and the sampler. Each step it sends the flat batch (token
 ids, positions, slot mapping, decode block tables and context lengths, prefill chunks: `encode_step`)
@@ -39,7 +40,7 @@ def encode_step(step, with_logits: bool = False) -> tuple:
 
 def decode_step(msg: tuple, device: str):
     """The worker's StepInput for a message from encode_step (sampling fields empty: workers don't sample)."""
-    from tokenfab.engine.runner import StepInput
+    from tokenfab.worker.model_runner import StepInput
     from tokenfab.model.attention import AttentionMetadata, PrefillChunk
 
     _, ids, pos, slots, nd, dbt, dln, dmax, prefills, logits_idx = msg
@@ -60,42 +61,23 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-class _Shard:
-    """What `LLMEngine._choose_kernels` reads: this rank's config, model and dtype (the same kernel
-    choice as rank 0, made by the same code)."""
-
-    def __init__(self, config, model, dtype, kv_bytes_per_token: int):
-        self.config, self.model, self.dtype = config, model, dtype
-        self.kv_bytes_per_token, self.kv_sized_from = kv_bytes_per_token, "rank 0"
-
-
-def load_rank(rank: int, size: int, config, path: str, num_blocks: int, max_positions: int,
-              device: str | None = None):
-    """Build rank `rank`'s shard and its runner (what every launcher's worker does first). `device`:
-    this rank's device where the launcher decides it (a Ray actor sees only its own GPU, as cuda:0)."""
+def load_rank(rank: int, config, kv, device: str | None = None):
+    """Build rank `rank`'s Worker over rank 0's KV sizing `kv` (what every launcher's worker does first),
+    allocate its KV pool, and return it with its device. `device`: this rank's device where the launcher
+    decides it (a Ray actor sees only its own GPU, as cuda:0)."""
     from tokenfab.distributed.group import rank_device
-    from tokenfab.engine.engine import _DTYPES, LLMEngine
-    from tokenfab.engine.runner import ModelRunner
-    from tokenfab.model.attention import kv_bytes_per_token, kv_cache_torch_dtype
-    from tokenfab.model.loader import load_model_files
-    from tokenfab.quant.load import build_model
+    from tokenfab.worker.worker import Worker
 
     device = device or rank_device(config.device, rank)
-    dtype = _DTYPES[config.dtype]
-    kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
-    files = load_model_files(path)
-    model = build_model(files, dtype, device, config.block_size, max_positions, config.quantization,
-                        tp=(rank, size))
-    per_token = kv_bytes_per_token(model.config, kv_dtype)
-    LLMEngine._choose_kernels(_Shard(config, model, dtype, per_token), kv_dtype,
-                              num_blocks * config.block_size * per_token)
-    del files
-    return ModelRunner(model, num_blocks, config.block_size, kv_dtype, device), device
+    worker = Worker(config, rank, kv=kv, device=device)
+    worker.init_kv_cache()
+    return worker, device
 
 
-def worker_main(rank: int, size: int, config, path: str, num_blocks: int, max_positions: int,
-                num_threads: int, conn, parent_pid: int, shared: torch.Tensor | None = None) -> None:
-    """Entry point of a spawned worker rank. Reports "ok" or an error string on `conn` once loaded, then
+def worker_main(rank: int, config, kv, num_threads: int, conn, parent_pid: int,
+                shared: torch.Tensor | None = None) -> None:
+    """Entry point of a spawned worker rank: `config` is rank 0's rank config (naming the model files),
+    `kv` its KV sizing (worker.KVCacheSpec). Reports "ok" or an error string on `conn` once loaded, then
     waits for ("init", address, port) to join the group at rank 0's store, or ("init", None, None) to
     join the shared-memory all-reduce on `shared` (shm.py)."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
@@ -107,7 +89,7 @@ def worker_main(rank: int, size: int, config, path: str, num_blocks: int, max_po
     from tokenfab.distributed.group import join_store, make_group
     from tokenfab.distributed.shm import ShmGroup
     try:
-        runner, device = load_rank(rank, size, config, path, num_blocks, max_positions)
+        worker, device = load_rank(rank, config, kv)
     except BaseException as e:      # noqa: BLE001 - reported to rank 0, which raises it for the user
         conn.send(f"rank {rank} failed to load: {type(e).__name__}: {e}")
         return
@@ -118,10 +100,11 @@ def worker_main(rank: int, size: int, config, path: str, num_blocks: int, max_po
         return
     if msg[0] != "init":
         return
+    size = config.tensor_parallel_size
     if msg[1] is None:
-        runner.model.tp_comm.group = ShmGroup(shared, rank, size)
+        worker.model.tp_comm.group = ShmGroup(shared, rank, size)
     else:
-        runner.model.tp_comm.group = make_group(join_store(msg[1], msg[2], size), config.device, rank, size)
+        worker.model.tp_comm.group = make_group(join_store(msg[1], msg[2], size), config.device, rank, size)
     try:
         while True:
             try:
@@ -130,7 +113,7 @@ def worker_main(rank: int, size: int, config, path: str, num_blocks: int, max_po
                 break
             if msg == STOP:
                 break
-            runner.execute(decode_step(msg, device))
+            worker.execute(decode_step(msg, device))
     except BaseException:       # noqa: BLE001 - a peer died or our forward failed: say so, then exit
         traceback.print_exc(file=sys.stderr)
         os._exit(1)

@@ -16,26 +16,19 @@ from tokenfab.engine.detokenizer import IncrementalDetokenizer
 from tokenfab.engine import prompt_logprobs
 from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.lanes import SERVICE_CLASSES
-from tokenfab.engine.memory import float_copy_budget, process_rss, release_freed_memory
-from tokenfab.engine.runner import ModelRunner
 from tokenfab.engine.sampler import Sampler, SampleRow
 from tokenfab.engine.scheduler import Scheduler
 from tokenfab.engine.step_budget import StepBudget
 from tokenfab.costmodel.online import OnlineStepModel
 from tokenfab.engine.structured import GrammarCompiler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
-from tokenfab.engine.sliding_kv import SlidingBlocks, fit_blocks, pool_size, sliding_layer_share
+from tokenfab.engine.sliding_kv import SlidingBlocks
 from tokenfab.engine.threads import ThreadController, free_cores
 from tokenfab import kernels
-from tokenfab.kernels.select import select_kernels
-from tokenfab.model.attention import kv_bytes_per_token, kv_cache_torch_dtype
-from tokenfab.model.backends import bf16_prefill_rows, c_float16_pools
-from tokenfab.model.layers import float_weight_releaser, pack_linears
-from tokenfab.model.loader import LoadedModel, load_model_files
+from tokenfab.model.loader import LoadedModel
 from tokenfab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tokenfab.quant.kernels import KERNEL_ALIASES
-from tokenfab.quant.load import build_model
 from tokenfab.sampling import SamplingParams
+from tokenfab.worker.executor import UniProcExecutor
 
 log = logging.getLogger("tokenfab.engine")
 
@@ -47,76 +40,9 @@ def _set_threads(cores: int, n: int) -> None:
     kernels.pool_threads(n if n > cores else 0)
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def available_memory(device: str) -> int:
-    if device.startswith("cuda"):
-        return torch.cuda.mem_get_info()[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
-
-
-def kv_pool_blocks(config: EngineConfig, max_len: int, block_bytes: int, fit=None) -> tuple[int, str]:
-    """How many KV blocks to reserve, and why: `num_kv_blocks`, else `kv_cache_memory_bytes`, else what
-    `max_num_seqs` sequences of `max_len` tokens need when that is less than the free-memory share
-    (`kv_cache_memory_fraction` of available, at most `kv_cache_memory_max`), else that share.
-    `fit(bytes)`: blocks that fit in a budget (default: bytes // block_bytes; sliding_kv.fit_blocks)."""
-    fit = fit or (lambda budget: budget // block_bytes)
-    if config.num_kv_blocks:
-        return config.num_kv_blocks, "num_kv_blocks"
-    if config.kv_cache_memory_bytes:
-        return fit(config.kv_cache_memory_bytes), "kv_cache_memory_bytes"
-    share = fit(min(int(available_memory(config.device) * config.kv_cache_memory_fraction),
-                    config.kv_cache_memory_max))
-    need = config.max_num_seqs * -(-max_len // config.block_size)
-    if need < share:
-        return need, f"max_num_seqs {config.max_num_seqs} x max_model_len {max_len}"
-    return share, (f"kv_cache_memory_fraction {config.kv_cache_memory_fraction:.0%} of available memory, "
-                   f"at most kv_cache_memory_max {config.kv_cache_memory_max / 2**30:.3g} GiB")
-
-
-def memory_breakdown(model: torch.nn.Module, float_copy_bytes: int, kv_bytes: int) -> dict[str, int]:
-    """Bytes by owner: the weights as stored (quantized blocks, float tensors, kernels' packed
-    layouts), the float copies of quantized weights the kernel table kept, and the KV pool."""
-    seen: set[int] = set()
-    weights = 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() not in seen and t.device.type != "meta":
-            seen.add(t.data_ptr())
-            weights += t.numel() * t.element_size()
-    from tokenfab.kernels.linear import plan_linears
-    for m in plan_linears(model):       # layouts the plans prepared (oneDNN, tf_qgemm, packed), not float copies
-        for c in (m.plan.choices if m.plan else []):
-            if not c.kernel.float_copy:
-                for t in _tensors(c.state):
-                    key = _storage_key(t)
-                    if key not in seen:
-                        seen.add(key)
-                        weights += t.numel() * t.element_size()
-    return {"weights": weights, "float_copies": float_copy_bytes, "kv_pool": kv_bytes,
-            "total": weights + float_copy_bytes + kv_bytes}
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    try:
-        return t.data_ptr()
-    except RuntimeError:      # oneDNN's packed weights are opaque tensors: no shared storage to find
-        return id(t)
-
-
-def _tensors(state) -> list[torch.Tensor]:
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, (tuple, list)):
-        return [t for s in state for t in _tensors(s)]
-    return []
+def _from_worker(name: str, doc: str) -> property:
+    """An attribute of rank 0's Worker, read through the engine (worker/worker.py builds it)."""
+    return property(lambda self: getattr(self.executor.worker, name), doc=doc)
 
 
 @dataclass(slots=True)
@@ -139,70 +65,43 @@ class EngineStats:
 
 
 class LLMEngine:
+    """The engine core: requests, the scheduler, sampling and outputs. Building and running the model is
+    the executor's (worker/executor.py, distributed/executor.py for tensor parallelism): it runs one
+    Worker per rank, which loads the model, sizes the KV pool, chooses kernels and allocates the cache."""
+
+    model = _from_worker("model", "rank 0's model (its shard with tensor parallelism)")
+    model_path = _from_worker("model_path", "the model files read")
+    model_config = _from_worker("model_config", "the model's shape (model/config.py)")
+    tokenizer = _from_worker("tokenizer", "the model's tokenizer")
+    file_dtypes = _from_worker("file_dtypes", "tensor type name -> count, as stored in the file")
+    dtype = _from_worker("dtype", "the compute dtype")
+    kv_bytes_per_token = _from_worker("kv_bytes_per_token", "one token's KV bytes (the draft's included)")
+    kv_pool_bytes = _from_worker("kv_pool_bytes", "the KV pool's reserved bytes")
+    kv_sized_from = _from_worker("kv_sized_from", "why the KV pool has as many blocks as it has")
+    kernel_report = _from_worker("kernel_report", "the kernels chosen (kernels/tuning.py)")
+    float_budget_from = _from_worker("float_budget_from", "why float copies of quantized weights got their budget")
+    memory = _from_worker("memory", "bytes by owner (worker/memory.memory_breakdown), RSS after load")
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         """`loaded`: model files already read by `load_model_files` (tests and tools reuse one read)."""
         config.validate()
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        files = loaded or load_model_files(config.model)
-        self.model_path = files.path
-        self.model_config = mcfg = files.config
-        self.tokenizer = files.tokenizer
-        self.file_dtypes = files.file_dtypes
-        self.dtype = _DTYPES[config.dtype]
-        max_len = config.max_model_len or mcfg.max_position_embeddings
-
-        # int8: values plus a float32 scale per token and head (counted, so int8 holds ~1.9x bf16's tokens)
-        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype, c_float16_pools(
-            config.attention_backend, config.device, mcfg.head_dim, config.tensor_parallel_size))
-        self.kv_bytes_per_token = kv_bytes_per_token(mcfg, kv_dtype)
-        spec_cfg = draft_files = None
+        spec_cfg = None
         if config.speculative_config is not None:
             from tokenfab.config import SpeculativeConfig
             spec_cfg = SpeculativeConfig.from_dict(config.speculative_config)
-            if spec_cfg.method == "draft":   # its KV pool shares the budget, block for block (spec/draft.py)
-                from tokenfab.engine.spec.draft import draft_kv_bytes_per_token, load_draft_files
-                draft_files = load_draft_files(spec_cfg.model, mcfg, self.tokenizer)
-                self.kv_bytes_per_token += draft_kv_bytes_per_token(draft_files, kv_dtype)
-        block_bytes = self.kv_bytes_per_token * config.block_size
-        # Sliding-window layers (Gemma 3) keep only their window, in a pool of their own (engine/sliding_kv.py)
-        n_sliding, n_layers = sliding_layer_share(mcfg)
-        sliding_bytes, sliding_need, fit = 0, 0, None
-        if n_sliding and config.sliding_window_pool and config.tensor_parallel_size == 1:
-            sliding_bytes = kv_bytes_per_token(mcfg, kv_dtype) * config.block_size * n_sliding // n_layers
-            sliding_need = pool_size(mcfg.sliding_window, config.block_size, config.max_num_seqs,
-                                     config.max_num_batched_tokens, 1 << 62) - 1
-            fit = lambda budget: fit_blocks(budget, block_bytes - sliding_bytes, sliding_bytes, sliding_need)  # noqa: E731
-        num_blocks, self.kv_sized_from = kv_pool_blocks(config, max_len, block_bytes, fit)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory_bytes is too small for one KV block ({block_bytes} bytes)")
-        # A sequence must always fit alone, or preemption could never make progress.
-        self.max_model_len = min(max_len, num_blocks * config.block_size)
-        if self.max_model_len < max_len and config.max_model_len:
-            log.warning("max_model_len %d lowered to %d: the KV pool holds only %d tokens",
-                        max_len, self.max_model_len, num_blocks * config.block_size)
-
-        tp = config.tensor_parallel_size
-        if tp > 1:          # this process is rank 0 of a tensor-parallel group (tokenfab/distributed)
-            from tokenfab.distributed.executor import prepare_rank0
-            prepare_rank0(config)
-        self.model = build_model(files, self.dtype, config.device, config.block_size, self.max_model_len + 1,
-                                 config.quantization, tp=(0, tp))
+        if config.tensor_parallel_size > 1:     # rank 0 of a tensor-parallel group (tokenfab/distributed)
+            from tokenfab.distributed.executor import TensorParallelExecutor as Executor
+        else:
+            Executor = UniProcExecutor
+        self.executor = Executor(config, loaded, spec_cfg)
+        worker, mcfg = self.executor.worker, self.model_config
+        self.max_model_len, num_blocks = worker.max_model_len, worker.num_blocks
         sliding = None
-        kv_pool_bytes = num_blocks * block_bytes
-        if sliding_bytes:
-            sliding = SlidingBlocks(min(sliding_need, num_blocks) + 1, config.block_size, mcfg.sliding_window,
-                                    num_blocks)
-            kv_pool_bytes = num_blocks * (block_bytes - sliding_bytes) + sliding.num_blocks * sliding_bytes
-        self.kv_pool_bytes = kv_pool_bytes
-        self._choose_kernels(kv_dtype, kv_pool_bytes)
-        del files
-        if config.device == "cpu" and release_freed_memory():   # the load's float tensors, freed: hand back
-            self.memory["rss_after_load"] = process_rss() or 0
-            self.memory["rss_peak_load"] = process_rss("VmHWM") or 0
-            log.info("memory: process RSS after load %.0f MiB (peak %.0f MiB)", self.memory["rss_after_load"] / 2**20,
-                     self.memory["rss_peak_load"] / 2**20)
+        if worker.kv.sliding_blocks:    # the sliding-window layers' own pool (engine/sliding_kv.py)
+            sliding = SlidingBlocks(worker.kv.sliding_blocks, config.block_size, mcfg.sliding_window, num_blocks)
+        self.executor.init_kv_cache(sliding)
+        self.runner = self.executor.runner
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, sliding)
         self.step_cost = OnlineStepModel()     # step times, fitted online: the step budget and SLO admission read it
         budget = (StepBudget(self.step_cost, config.step_time_budget_ms / 1e3 if config.step_time_budget_ms else None,
@@ -211,25 +110,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy, config.batch_prefill_share,
                                    config.long_prompt_threshold, config.max_long_prefill_tokens, budget)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype, config.device, sliding)
-        if tp > 1:          # the other ranks load their shards and join; each step goes to them too
-            from tokenfab.distributed.executor import TensorParallelRunner
-            self.runner = TensorParallelRunner.start(config, self.model_path, self.runner, num_blocks,
-                                                     self.max_model_len + 1)
         self.eos_token_ids = list(mcfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, mcfg.vocab_size)
         self.structured = GrammarCompiler(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
         self.spec = None      # engine/spec: speculative decoding, when configured
         if spec_cfg is not None:
             from tokenfab.engine.spec.decoder import SpecDecoder
-            draft = None
-            if draft_files is not None:
-                from tokenfab.engine.spec.draft import build_draft_model
-                draft_model = build_draft_model(draft_files, config, self.dtype, kv_dtype, self.max_model_len + 1)
-                draft = (draft_model, ModelRunner(draft_model, num_blocks, config.block_size, kv_dtype, config.device))
-                del draft_files
             self.spec = SpecDecoder(spec_cfg, self.max_model_len, mcfg.vocab_size, self.model, self.runner,
-                                    self.block_manager, draft, eos_token_ids=self.eos_token_ids)
+                                    self.block_manager, worker.draft, eos_token_ids=self.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.prompt_tokens_total = 0
@@ -251,43 +139,9 @@ class LLMEngine:
                                   if config.adaptive_threads and config.device == "cpu" and threads > 1
                                   and not self.small_batch_threads else None)
 
-    def _choose_kernels(self, kv_dtype: torch.dtype, kv_bytes: int) -> None:
-        """Every linear's kernels (the measured table) and the attention backend, once."""
-        config, model = self.config, self.model
-        pack_linears(model)           # float linears behind the kernel seam (model/layers.py)
-        float_budget, self.float_budget_from = 0, "float32 on the CPU only"  # float copies of quantized
-        if config.device == "cpu" and self.dtype == torch.float32:          # weights, where the table says
-            float_budget, self.float_budget_from = float_copy_budget(        # they pay (engine/memory.py)
-                config, available_memory(config.device), kv_bytes)
-        self.kernel_report = select_kernels(
-            model, max_rows=config.max_num_batched_tokens, head_max_rows=config.max_num_seqs, head=model.lm_head,
-            autotune=config.kernel_autotune and config.device == "cpu", dtype=self.dtype,
-            force=KERNEL_ALIASES.get(config.linear_kernel, config.linear_kernel), float_copy_budget=float_budget,
-            stack_rows=config.fused_decode_max_tokens if config.enable_fused_decode else 0,
-            big_stack_rows=config.fused_decode_big_max_tokens if config.enable_fused_decode else 0,
-            int8_activations=config.int8_activations, after_plan=float_weight_releaser(model))
-        model.set_attention_backend(model.default_backend(
-            config.attention_backend, kv_dtype, fused_decode=config.enable_fused_decode,
-            fused_max_tokens=config.fused_decode_max_tokens, fused_big_max_tokens=config.fused_decode_big_max_tokens,
-            bf16_prefill_rows=bf16_prefill_rows(model, config.prefill_attention_dtype),
-            bf16_prefill_auto=config.prefill_attention_dtype == "auto",
-            paged_prefill_max_context=config.paged_prefill_max_context))
-        r = self.kernel_report
-        log.info("kernels: attention %s; linears %s%s", model.attention_backend.name,
-                 "; ".join(f"{k} x{r.layers[k]}: {v}" for k, v in r.plans.items()),
-                 f" (measured in {r.measured_s:.1f} s)" if r.measured_s else "")
-        self.memory = memory_breakdown(model, r.float_copy_bytes, kv_bytes)
-        m = self.memory
-        log.info("memory: KV pool %.0f MiB reserved (%d tokens, %s; pages become resident as blocks are used), "
-                 "weights %.0f MiB, float copies of quantized weights %.0f MiB (budget %.0f MiB: %s)",
-                 kv_bytes / 2**20, kv_bytes // self.kv_bytes_per_token, self.kv_sized_from,
-                 m["weights"] / 2**20, m["float_copies"] / 2**20, float_budget / 2**20, self.float_budget_from)
-
     def close(self) -> None:
         """Release what outlives the object by itself: tensor-parallel worker processes. Idempotent."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.executor.close()
 
     # -- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

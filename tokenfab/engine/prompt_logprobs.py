@@ -2,7 +2,7 @@
 
 The logits at position p predict token p + 1, so a prefill chunk covering positions [start, end) of a
 P-token prompt scores prompt tokens start + 1 .. min(end, P - 1). The runner asks the model for a
-logits row at each of those positions (`rows_for_chunk`), besides the usual last-position row, and
+logits row at each of those positions (`worker/model_runner.rows_for_chunk`), besides the usual last-position row, and
 the engine turns them into entries here (`entries`), appended to the sequence in order, chunk after
 chunk. A sequence asking for prompt logprobs takes no prefix-cache blocks until they are all computed
 (`Sequence.needs_prompt_logprobs`): the cached K/V would skip exactly the positions whose logits are
@@ -16,13 +16,6 @@ from __future__ import annotations
 import torch
 
 from tokenfab.outputs import Logprob
-
-
-def rows_for_chunk(num_prompt_tokens: int, num_recorded: int, start: int, end: int) -> range:
-    """Positions in [start, end) whose logits score a prompt token not recorded yet.
-
-    Entry k (0-based) of the recorded list scores prompt token k + 1, from the logits at position k."""
-    return range(max(start, num_recorded), min(end, num_prompt_tokens - 1))
 
 
 def entries(logits: torch.Tensor, targets: list[int], top_n: int, vocab_size: int) -> list[dict[int, Logprob]]:

@@ -22,7 +22,7 @@ logical blocks `sliding_start ..` only. So:
 - eviction: when a sliding block is handed out again, the mapping to its old global block is dropped;
   when a global block is handed out again, so is its old sliding block's.
 A sequence thus holds about (window + the step's new tokens) / block_size + 1 sliding blocks however
-long it runs; `pool_size` sizes the pool from that.
+long it runs; `worker/kv_sizing.pool_size` sizes the pool from that.
 """
 from __future__ import annotations
 
@@ -142,62 +142,3 @@ class SlidingBlocks:
             prefills=[PrefillChunk(p.query_start, p.query_len, p.context_len, g2s[p.block_table])
                       for p in meta.prefills],
             positions=meta.positions)
-
-
-def per_sequence_blocks(window: int, block_size: int, step_tokens: int) -> int:
-    """The most sliding blocks one sequence holds: the window before its step's first token, plus
-    the step's new tokens, plus one block where they straddle block boundaries."""
-    return -(-(window - 1 + step_tokens) // block_size) + 1
-
-
-def pool_size(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-              num_global_blocks: int) -> int:
-    """Sliding blocks (the zero block included) for max_num_seqs running sequences sharing one step's
-    token budget: each holds its window, and the step's new tokens add at most the budget (plus a
-    straddled block each). More than the global pool is never useful."""
-    need = (max_num_seqs * (-(-(window - 1) // block_size) + 2)
-            + -(-max_num_batched_tokens // block_size))
-    # One sequence must always fit alone, or preemption could never make progress.
-    need = max(need, per_sequence_blocks(window, block_size, max_num_batched_tokens))
-    return min(need, num_global_blocks) + 1
-
-
-def fit_blocks(budget: int, global_block_bytes: int, sliding_block_bytes: int, sliding_need: int) -> int:
-    """Global blocks that fit in `budget` bytes when each block costs `global_block_bytes` in the global
-    layers and the sliding pool holds min(global blocks, sliding_need) + 1 blocks of
-    `sliding_block_bytes` (the savings: past sliding_need, a block costs only its global layers)."""
-    gb, sb = global_block_bytes, sliding_block_bytes
-    n = (budget - sb) // (gb + sb)
-    if n <= sliding_need:
-        return max(n, 0)
-    return max((budget - (sliding_need + 1) * sb) // gb, 0)
-
-
-def sliding_layer_share(model_config) -> tuple[int, int]:
-    """(sliding layers, layers)."""
-    n = model_config.num_layers
-    return sum(model_config.is_sliding(i) for i in range(n)), n
-
-
-def sliding_savings(model_config, config, bytes_per_token: int, context: int = 8192) -> dict:
-    """For `tokenfab info`: one sequence's KV bytes at `context` tokens with every position kept and as
-    the engine holds them (sliding layers: their decode-time blocks), and the tokens a GiB of KV pool
-    holds each way (the engine's own sizing rule: the sliding pool is sized for max_num_seqs sequences
-    each holding its window, so it saves only where contexts average well past the window)."""
-    n_sliding, n = sliding_layer_share(model_config)
-    bs, window = config.block_size, model_config.sliding_window
-    per_layer_block = bytes_per_token * bs // n
-    ctx_blocks = -(-context // bs)
-    held_blocks = min(per_sequence_blocks(window, bs, 1), ctx_blocks)
-    gib = 1 << 30
-
-    def tokens(max_num_seqs: int) -> int:
-        need = pool_size(window, bs, max_num_seqs, config.max_num_batched_tokens, 1 << 62) - 1
-        return fit_blocks(gib, per_layer_block * (n - n_sliding), per_layer_block * n_sliding, need) * bs
-    return {
-        f"kv_bytes_{context // 1024}k_float32_all_positions": ctx_blocks * n * per_layer_block,
-        f"kv_bytes_{context // 1024}k_float32_held": (ctx_blocks * (n - n_sliding) + held_blocks * n_sliding) * per_layer_block,
-        "kv_tokens_per_gib_float32": {
-            "all positions": gib // (bytes_per_token * bs) * bs,
-            **{f"sliding pool, max_num_seqs {m}": tokens(m) for m in sorted({8, config.max_num_seqs})}},
-    }

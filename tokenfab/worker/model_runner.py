@@ -1,11 +1,14 @@
-"""ModelRunner: turns a scheduled batch into tensors, runs the model once, returns logits.
+"""ModelRunner: one rank's KV pool; turns a scheduled batch into tensors, runs the model once, returns logits.
+
+The worker (worker.py) builds it over the model and the KV blocks it sized. `prepare` reads the
+scheduled sequences' tokens, computed counts and block tables (engine/sequence.py) on rank 0 only;
+every rank's `execute` runs the same flat batch (`StepInput`) on its own shard and KV heads.
 
 The flat batch puts decodes (one new token) first, then prefill chunks, so the attention backend
 handles all decodes in one batched call. Logits are computed only at each sequence's last scheduled
 position, and only for sequences whose chunk reaches the end of their known tokens (they sample),
 plus, for sequences asking for prompt logprobs, at every prompt position of their chunk (after the
-sampling rows; see prompt_logprobs.py). A prompt-only sequence (max_tokens 0) never samples.
-position, and only for sequences whose chunk reaches the end of their known tokens (they sample).
+sampling rows; see engine/prompt_logprobs.py). A prompt-only sequence (max_tokens 0) never samples.
 A sequence carrying draft tokens (engine/spec) runs its last token and the drafts as 1 + k decode
 rows with causal context lengths (row i sees the context up to its own position: every layer writes
 all rows' K/V before any row attends), and gets logits at all of them, in order. So verification is
@@ -19,22 +22,27 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenfab.engine.prompt_logprobs import rows_for_chunk
-from tokenfab.engine.scheduler import ScheduledBatch
-from tokenfab.engine.sequence import Sequence
-from tokenfab.engine.sliding_kv import SlidingBlocks
 from tokenfab.model.attention import AttentionMetadata, Int8KVCache, PrefillChunk
 
 
 @dataclass(slots=True)
 class StepInput:
+    """One step's flat batch: what every rank's forward reads (the first four fields) and what rank 0's
+    core reads back (the sequences behind the logits rows; empty on the other ranks)."""
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
-    sampling_seqs: list[Sequence]   # the sequences that get a new token, in logits row order (1 + drafts rows each)
+    sampling_seqs: list   # the sequences that get a new token, in logits row order (1 + drafts rows each)
     # After the sampling rows: (sequence, first position, last position + 1) per prompt-logprobs run
-    prompt_rows: list[tuple[Sequence, int, int]]
+    prompt_rows: list[tuple]
+
+
+def rows_for_chunk(num_prompt_tokens: int, num_recorded: int, start: int, end: int) -> range:
+    """Positions in [start, end) whose logits score a prompt token not recorded yet (engine/prompt_logprobs.py).
+
+    Entry k (0-based) of the recorded list scores prompt token k + 1, from the logits at position k."""
+    return range(max(start, num_recorded), min(end, num_prompt_tokens - 1))
 
 
 def reserve_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
@@ -56,9 +64,10 @@ def reserve_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> to
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str,
-                 sliding: SlidingBlocks | None = None):
+                 sliding=None):
         """kv_dtype torch.int8: the int8 KV cache (values plus a float32 scale per token and head).
-        `sliding`: the sliding-window layers get their own pool of `sliding.num_blocks` blocks."""
+        `sliding`: the core's sliding block map (engine/sliding_kv.SlidingBlocks): the sliding-window
+        layers get their own pool of `sliding.num_blocks` blocks, addressed through `sliding.remap`."""
         cfg = model.config
         self.model, self.device, self.block_size = model, device, block_size
         self.sliding = sliding
@@ -87,7 +96,9 @@ class ModelRunner:
             meta.sliding = self.sliding.remap(meta)
         return meta
 
-    def prepare(self, batch: ScheduledBatch) -> StepInput:
+    def prepare(self, batch) -> StepInput:
+        """The flat batch for a scheduled one (engine/scheduler.ScheduledBatch): its sequences' new tokens,
+        positions, slots and block tables, and which rows get logits."""
         bs = self.block_size
         # Decodes (and verifications) first, stable.
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1 and not batch.seqs[i].spec_tokens)
@@ -95,12 +106,12 @@ class ModelRunner:
         pos: list[int] = []
         slots: list[int] = []
         logits_idx: list[int] = []
-        sampling: list[Sequence] = []
+        sampling: list = []
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         prompt_idx: list[int] = []
-        prompt_rows: list[tuple[Sequence, int, int]] = []
+        prompt_rows: list[tuple] = []
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start = seq.num_computed_tokens

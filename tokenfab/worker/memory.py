@@ -1,5 +1,7 @@
-"""Where the engine's memory goes, and giving back what loading no longer needs.
+"""Where a worker's memory goes, and giving back what loading no longer needs.
 
+- `available_memory`: free bytes on the device (the KV pool's and the float copies' shares are of it).
+- `memory_breakdown`: bytes by owner (weights, float copies, KV pool), for the log and `tokenfab info`.
 - `float_copy_budget`: the bytes float32 copies of quantized weights may take (EngineConfig's
   `float_cache_memory`, or its automatic rule).
 - `release_freed_memory`: loading reads every weight as float32 (the GGUF blocks are dequantized once,
@@ -13,23 +15,36 @@ import ctypes
 import ctypes.util
 import logging
 
+import torch
+
 # Decode steps up to this many rows run tf_qgemm on the stored blocks (the built-in rules, and the one-call
 # stack's rows): a float copy there would never be read by a decode step.
 from tokenfab.kernels.tuning import QGEMM_DEFAULT_MAX_ROWS as QGEMM_DECODE_ROWS
+from tokenfab.kernels.linear import plan_linears
 
-log = logging.getLogger("tokenfab.engine")
+log = logging.getLogger("tokenfab.worker")
 
 
-def decode_rows(config) -> int:
+def available_memory(device: str) -> int:
+    """Free bytes on `device`: CUDA's free memory, or the host's MemAvailable (8 GiB where unknown)."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def decode_rows(config, num_speculative_tokens: int = 0) -> int:
     """The most rows a decode step feeds the decoder's linears: max_num_seqs x (1 + draft tokens)."""
-    k = 0
-    if config.speculative_config:
-        from tokenfab.config import SpeculativeConfig
-        k = SpeculativeConfig.from_dict(config.speculative_config).num_speculative_tokens
-    return config.max_num_seqs * (1 + k)
+    return config.max_num_seqs * (1 + num_speculative_tokens)
 
 
-def float_copy_budget(config, available: int, kv_bytes: int) -> tuple[int, str]:
+def float_copy_budget(config, available: int, kv_bytes: int, num_speculative_tokens: int = 0) -> tuple[int, str]:
     """Bytes float32 copies of quantized weights may take, and why.
 
     `float_cache_memory` given: that. Else (auto) none while every decode step fits tf_qgemm's rows
@@ -40,7 +55,7 @@ def float_copy_budget(config, available: int, kv_bytes: int) -> tuple[int, str]:
         return 0, "enable_float_cache off"
     if config.float_cache_memory is not None:
         return config.float_cache_memory, "float_cache_memory"
-    rows = decode_rows(config)
+    rows = decode_rows(config, num_speculative_tokens)
     if rows <= QGEMM_DECODE_ROWS:
         return 0, (f"auto: decode steps of at most {rows} rows run tf_qgemm on the blocks; "
                    f"set float_cache_memory for faster prefill")
@@ -48,6 +63,42 @@ def float_copy_budget(config, available: int, kv_bytes: int) -> tuple[int, str]:
     budget = max(0, min(int(available * share),
                         int(available * (share + config.kv_cache_memory_fraction)) - kv_bytes))
     return budget, f"auto: {share:.0%} of available memory for decode steps of up to {rows} rows"
+
+
+def memory_breakdown(model: torch.nn.Module, float_copy_bytes: int, kv_bytes: int) -> dict[str, int]:
+    """Bytes by owner: the weights as stored (quantized blocks, float tensors, kernels' packed
+    layouts), the float copies of quantized weights the kernel table kept, and the KV pool."""
+    seen: set[int] = set()
+    weights = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen and t.device.type != "meta":
+            seen.add(t.data_ptr())
+            weights += t.numel() * t.element_size()
+    for m in plan_linears(model):       # layouts the plans prepared (oneDNN, tf_qgemm, packed), not float copies
+        for c in (m.plan.choices if m.plan else []):
+            if not c.kernel.float_copy:
+                for t in _tensors(c.state):
+                    key = _storage_key(t)
+                    if key not in seen:
+                        seen.add(key)
+                        weights += t.numel() * t.element_size()
+    return {"weights": weights, "float_copies": float_copy_bytes, "kv_pool": kv_bytes,
+            "total": weights + float_copy_bytes + kv_bytes}
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return t.data_ptr()
+    except RuntimeError:      # oneDNN's packed weights are opaque tensors: no shared storage to find
+        return id(t)
+
+
+def _tensors(state) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, (tuple, list)):
+        return [t for s in state for t in _tensors(s)]
+    return []
 
 
 def release_freed_memory() -> bool:
