@@ -67,6 +67,7 @@ class _StepPlan:
     limit: float | None = None       # the step's time limit for fill work (None: none)
     floor_left: int = 0              # fill tokens still allowed over the limit (the progress floor)
     firm_prefill: bool = False       # an interactive prompt prefills in this step (its TTFT depends on it)
+    remote: dict = field(default_factory=dict)   # seq_id -> (local hit blocks, KV connector's answer): asked once a step
 
 
 class Scheduler:
@@ -284,7 +285,7 @@ class Scheduler:
                 break
             cached = self.bm.find_cached_prefix(seq)
             num_cached = len(cached) * self.bm.block_size
-            remote = self._remote_blocks(seq, cached) if self.kv_connector is not None else []
+            remote = self._remote_blocks(seq, cached, plan) if self.kv_connector is not None else []
             if remote is None:
                 continue                   # its blocks are on their way: the prompts behind it go first
             num_computed = num_cached + len(remote) * self.bm.block_size
@@ -311,11 +312,18 @@ class Scheduler:
                 plan.batch.kv_loads.extend(zip(remote, seq.block_table[len(cached):]))
             self._take(seq, num_computed, n, plan, is_fill)
 
-    def _remote_blocks(self, seq: Sequence, cached: list[int]) -> list[int] | None:
+    def _remote_blocks(self, seq: Sequence, cached: list[int], plan: "_StepPlan") -> list[int] | None:
         """Hashes of the prefix blocks after `cached` that the KV connector supplies now; None while
         they are not ready (the sequence waits for them)."""
         if seq.needs_prompt_logprobs:
             return []                      # the prompt's logits need every position computed here
+        asked = plan.remote.get(seq.seq_id)
+        if asked is not None and asked[0] == len(cached):
+            return asked[1]
+        plan.remote[seq.seq_id] = (len(cached), self._ask_connector(seq, cached))
+        return plan.remote[seq.seq_id][1]
+
+    def _ask_connector(self, seq: Sequence, cached: list[int]) -> list[int] | None:
         hashes = self.bm.prefix_hashes(seq.token_ids, cached)
         num, ready = self.kv_connector.match(hashes) if hashes else (0, True)
         if num and not ready:
