@@ -31,6 +31,7 @@ from tokenfab.engine.sequence import Sequence  # noqa: E402
 from tokenfab.engine.step_budget import StepBudget  # noqa: E402
 from tokenfab.costmodel.shape import StepShape  # noqa: E402
 from tokenfab.costmodel.measured import MeasuredStepCost  # noqa: E402
+from tokenfab.engine.update import ModelOutput  # noqa: E402
 from tokenfab.sampling import SamplingParams  # noqa: E402
 
 # 1 decode row 17.5 ms, 8 rows 56 ms, a 512-token prefill 273 ms: the 2-core VM's 17 / 53 / ~290 ms.
@@ -48,20 +49,14 @@ def scheduler(args, now: list[float]) -> Scheduler:
 
 
 def step(s: Scheduler, now: list[float]) -> list[Sequence]:
-    """Run one step; returns the sequences that got a token in it."""
+    """Run one step through the scheduler's own update (the model always samples token 7); returns the
+    sequences that got a token in it. Those that reach max_tokens finish there."""
     batch = s.schedule()
     shape = StepShape()
     for q, n in zip(batch.seqs, batch.num_new_tokens):
         shape.add(q.num_computed_tokens, n)
     now[0] += COST.step_time(shape)
-    got = []
-    for q, n in zip(batch.seqs, batch.num_new_tokens):
-        q.num_computed_tokens += n
-        s.bm.cache_full_blocks(q)
-        if q.num_computed_tokens == q.num_tokens:
-            q.token_ids.append(7)
-            got.append(q)
-    return got
+    return [q for q, _ in s.update_from_output(batch, ModelOutput.stand_in(batch, 7)).new_tokens]
 
 
 def prompt(rid: str, n: int) -> list[int]:
@@ -81,8 +76,7 @@ def capacity(args) -> float:
             started += 1
         for q in step(s, now):
             tokens += 1
-            if q.num_output_tokens >= q.max_tokens:
-                s.remove(q)
+            if q.status.finished:
                 done += 1
     return tokens / now[0]
 
@@ -115,8 +109,7 @@ def run(args, rate: float, seed: int, batch: bool, long_fraction: float) -> dict
                 batch_tokens += now[0] <= arrivals[-1][0]
             elif rec[q.request_id]["first"] is None:
                 rec[q.request_id]["first"] = now[0]
-            if q.num_output_tokens >= q.max_tokens:
-                s.remove(q)
+            if q.status.finished:
                 if q.service_class == "batch":
                     batch_in -= 1
                 else:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tokenfab.config import SpeculativeConfig
-from tokenfab.engine.sampler import SampledToken
+from tokenfab.engine.sampler import Sampler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.engine.spec.decoder import SpecDecoder
 from tokenfab.engine.spec.ngram import NgramProposer
@@ -244,8 +244,11 @@ def _decoding(prompt: list[int], rate: float | None = None) -> Sequence:
     return seq
 
 
-def _commit(dec: SpecDecoder, seq: Sequence, token: int) -> None:
-    dec.commit(seq, [SampledToken(token, None, None)], lambda s, t: s.token_ids.append(t.token_id), None)
+def _sample(dec: SpecDecoder, seq: Sequence, token: int) -> None:
+    """The target samples `token` for `seq` (a plain greedy row whose argmax it is)."""
+    logits = torch.zeros(1, 100)
+    logits[0, token] = 1.0
+    assert dec.sample(Sampler([], 100), logits, [seq])[0][0].token_id == token
 
 
 def test_a_shadow_draft_moves_the_sequences_rate_but_no_counter():
@@ -253,7 +256,7 @@ def test_a_shadow_draft_moves_the_sequences_rate_but_no_counter():
     seq = _decoding([1, 2, 3, 1, 2, 3, 1, 2], rate=0.0)    # ngram would draft 3; at rate 0 it does not
     dec.propose([seq])
     assert seq.spec_tokens == [] and seq.spec_state.shadow == 3
-    _commit(dec, seq, 3)                                  # the target agrees: the draft would have been accepted
+    _sample(dec, seq, 3)                                  # the target agrees: the draft would have been accepted
     assert seq.spec_state.rate == pytest.approx(0.5) and seq.spec_state.shadow is None
     assert dec.stats.num_drafts == dec.stats.num_draft_tokens == 0
 

@@ -21,10 +21,11 @@ Message = dict[str, str]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, loaded=None, **engine_kwargs):
-        """`engine_kwargs` are EngineConfig fields (vLLM's names). `loaded`: reuse files already read."""
+    def __init__(self, model: str | None = None, *, loaded=None, kv_connector=None, **engine_kwargs):
+        """`engine_kwargs` are EngineConfig fields (vLLM's names). `loaded`: reuse files already read.
+        `kv_connector`: a KV connector (engine/kv_connector.py); none by default."""
         self.config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
-        self.engine = LLMEngine(self.config, loaded=loaded)
+        self.engine = LLMEngine(self.config, loaded=loaded, kv_connector=kv_connector)
         self._ids = itertools.count()
 
     def close(self) -> None:

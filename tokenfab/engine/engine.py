@@ -15,18 +15,20 @@ from tokenfab.config import EngineConfig
 from tokenfab.engine.detokenizer import IncrementalDetokenizer
 from tokenfab.engine import prompt_logprobs
 from tokenfab.engine.kv_cache import BlockManager
+from tokenfab.engine.kv_connector import KVConnector, KVConnectorBinding
 from tokenfab.engine.lanes import SERVICE_CLASSES
 from tokenfab.engine.sampler import Sampler, SampleRow
 from tokenfab.engine.scheduler import Scheduler
 from tokenfab.engine.step_budget import StepBudget
 from tokenfab.costmodel.online import OnlineStepModel
 from tokenfab.engine.structured import GrammarCompiler
+from tokenfab.engine.update import ModelOutput
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.engine.sliding_kv import SlidingBlocks
 from tokenfab.engine.threads import ThreadController, free_cores
 from tokenfab import kernels
 from tokenfab.model.loader import LoadedModel
-from tokenfab.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenfab.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenfab.sampling import SamplingParams
 from tokenfab.worker.executor import UniProcExecutor
 
@@ -82,8 +84,9 @@ class LLMEngine:
     float_budget_from = _from_worker("float_budget_from", "why float copies of quantized weights got their budget")
     memory = _from_worker("memory", "bytes by owner (worker/memory.memory_breakdown), RSS after load")
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
-        """`loaded`: model files already read by `load_model_files` (tests and tools reuse one read)."""
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, kv_connector: KVConnector | None = None):
+        """`loaded`: model files already read by `load_model_files` (tests and tools reuse one read).
+        `kv_connector`: where KV blocks are saved to and loaded from besides the pool (engine/kv_connector.py)."""
         config.validate()
         self.config = config
         spec_cfg = None
@@ -109,7 +112,8 @@ class LLMEngine:
                   if config.enable_step_time_budget else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy, config.batch_prefill_share,
-                                   config.long_prompt_threshold, config.max_long_prefill_tokens, budget)
+                                   config.long_prompt_threshold, config.max_long_prefill_tokens, budget,
+                                   mcfg.eos_token_ids, self.max_model_len)
         self.eos_token_ids = list(mcfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, mcfg.vocab_size)
         self.structured = GrammarCompiler(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
@@ -121,7 +125,6 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
         # step_observer(steps, start, end, busy), if set, sees every step: (cached tokens before, new
         # tokens) per scheduled sequence, perf_counter() at its start and end, and whether requests are
         # left to run (e.g. tokenfab.costmodel.measured.StepLog).
@@ -138,6 +141,8 @@ class LLMEngine:
                                                    set_threads=functools.partial(_set_threads, threads))
                                   if config.adaptive_threads and config.device == "cpu" and threads > 1
                                   and not self.small_batch_threads else None)
+        self.kv_connector = (KVConnectorBinding(kv_connector, self.scheduler, self.runner, config, self.model_path)
+                             if kv_connector is not None else None)
 
     def close(self) -> None:
         """Release what outlives the object by itself: tensor-parallel worker processes. Idempotent."""
@@ -221,7 +226,7 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    # -- the step --------------------------------------------------------------------------
+    # -- the step: schedule -> execute -> update_from_output -------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch. Returns outputs of the requests that progressed or finished."""
         t_start = time.perf_counter()
@@ -231,16 +236,34 @@ class LLMEngine:
         if not batch.seqs:
             return []
         shapes = [(s.num_computed_tokens, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
-        now = time.monotonic()
-        for seq in batch.seqs:
-            if seq.scheduled_time is None:
-                seq.scheduled_time = now
         num_tokens = batch.total_tokens
         if self.small_batch_threads:            # decided on the scheduled step: a prefill gets every thread
             want = self.small_batch_threads if num_tokens <= self.config.small_batch_tokens else self._full_threads
             if want != torch.get_num_threads():
                 torch.set_num_threads(want)
         t_run = time.perf_counter()
+        output, num_rows = self._execute(batch)
+        if self.thread_controller is not None:
+            self.thread_controller.observe(num_tokens, time.perf_counter() - t_run)
+        update = self.scheduler.update_from_output(batch, output)
+        if self.spec is not None:
+            self.spec.after_update(seq for seq, _ in output.sampled)
+        if self.kv_connector is not None:
+            self.kv_connector.save_new_blocks()
+        self.errors.update(update.errors)
+        outputs = [self._request_output(rid) for rid in update.request_ids]
+        t_end = time.perf_counter()
+        self.step_cost.observe(shapes, t_end - t_start)
+        if self.spec is not None and num_tokens == num_rows:   # decode rows only: the policy's measured costs
+            self.spec.observe_step(len(output.sampled), num_rows - len(output.sampled), t_end - t_start)
+        if self.step_observer is not None:
+            self.step_observer(shapes, t_start, t_end, self.has_unfinished_requests())
+        return outputs
+
+    def _execute(self, batch) -> tuple[ModelOutput, int]:
+        """Run the model on `batch` and sample: the step's tokens, and how many logits rows sampled."""
+        if self.kv_connector is not None:
+            self.kv_connector.load(batch.kv_loads)
         step = self.runner.prepare(batch)
         masks = self.structured.masks(step.sampling_seqs)   # structured output; overlaps the model if enabled
         logits = self.runner.execute(step)
@@ -250,43 +273,10 @@ class LLMEngine:
             sampled = self.spec.sample(self.sampler, logits[:num_rows], step.sampling_seqs, bitmask)
         else:
             rows = [SampleRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in step.sampling_seqs]
-            sampled = self.sampler(logits[:num_rows], rows, bitmask) if rows else []
-        if self.thread_controller is not None:
-            self.thread_controller.observe(num_tokens, time.perf_counter() - t_run)
+            sampled = [[t] for t in self.sampler(logits[:num_rows], rows, bitmask)] if rows else []
         if step.prompt_rows:
             self._record_prompt_logprobs(logits[num_rows:], step.prompt_rows)
-        prompt_done = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n - len(seq.spec_tokens)   # drafts count once accepted (spec.commit)
-            self.block_manager.cache_full_blocks(seq)
-            if seq.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
-                prompt_done.append(seq)     # prompt only (max_tokens 0): scored, nothing to sample
-
-        now = time.monotonic()
-        touched: dict[str, None] = {}
-        for seq, tok in zip(step.sampling_seqs, sampled):
-            try:
-                if self.spec is not None:
-                    self.spec.commit(seq, tok, lambda s, t: self._append_token(s, t, now), self.block_manager)
-                else:
-                    self._append_token(seq, tok, now)
-            except Exception as e:  # e.g. a tokenizer failure: end this sequence, not the batch
-                log.exception("request %s failed in postprocessing", seq.request_id)
-                self.errors[seq.request_id] = f"{type(e).__name__}: {e}"
-                seq.status = SequenceStatus.FINISHED_ERROR
-                self.scheduler.remove(seq)
-            touched[seq.request_id] = None
-        for seq in prompt_done:
-            self._finish(seq, SequenceStatus.FINISHED_LENGTH, None)
-            touched[seq.request_id] = None
-        outputs = [self._request_output(rid) for rid in touched]
-        t_end = time.perf_counter()
-        self.step_cost.observe(shapes, t_end - t_start)
-        if self.spec is not None and num_tokens == num_rows:   # decode rows only: the policy's measured costs
-            self.spec.observe_step(len(step.sampling_seqs), num_rows - len(step.sampling_seqs), t_end - t_start)
-        if self.step_observer is not None:
-            self.step_observer(shapes, t_start, t_end, self.has_unfinished_requests())
-        return outputs
+        return ModelOutput(list(zip(step.sampling_seqs, sampled))), num_rows
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, runs: list[tuple[Sequence, int, int]]) -> None:
         row = 0
@@ -296,40 +286,6 @@ class LLMEngine:
                 logits[row:row + hi - lo], seq.prompt_token_ids[lo + 1:hi + 1], seq.params.prompt_logprobs,
                 self.model_config.vocab_size))
             row += hi - lo
-
-    def _append_token(self, seq: Sequence, tok, now: float) -> None:
-        seq.token_ids.append(tok.token_id)
-        self.generation_tokens_total += 1
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        if tok.logprob is not None:
-            entry = {tok.token_id: Logprob(tok.logprob)}
-            for tid, lp in (tok.top_logprobs or {}).items():
-                entry.setdefault(tid, Logprob(lp))
-            seq.logprobs.append(entry)
-        p, tid = seq.params, tok.token_id
-        n_out = seq.num_output_tokens
-        if n_out >= p.min_tokens and ((not p.ignore_eos and tid in self.eos_token_ids) or tid in p.stop_token_ids):
-            # The stopping token's own text stays out of the output, as in vLLM.
-            self._finish(seq, SequenceStatus.FINISHED_STOPPED, tid if tid in p.stop_token_ids else None)
-            return
-        if seq.grammar is not None and not seq.grammar.consume_token(tid):
-            raise RuntimeError(f"token {tid} broke the structured-output grammar: {seq.grammar.get_error()}")
-        _, stop_str = seq.detokenizer.step([tid])
-        if stop_str is not None:
-            self._finish(seq, SequenceStatus.FINISHED_STOPPED, stop_str)
-        elif seq.grammar is not None and seq.grammar.is_stopped():
-            # The grammar is complete and allows only EOS: end now rather than spend a step sampling it.
-            self._finish(seq, SequenceStatus.FINISHED_STOPPED, None)
-        elif n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            self._finish(seq, SequenceStatus.FINISHED_LENGTH, None)
-
-    def _finish(self, seq: Sequence, status: SequenceStatus, reason) -> None:
-        if status is not SequenceStatus.FINISHED_STOPPED or not isinstance(reason, str):
-            seq.detokenizer.finish()
-        seq.status = status
-        seq.stop_reason = reason
-        self.scheduler.remove(seq)
 
     def _request_output(self, request_id: str) -> RequestOutput:
         seqs = self.requests[request_id]
@@ -358,7 +314,7 @@ class LLMEngine:
         bm = self.block_manager
         stats = EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage(), bm.num_blocks,
                             bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
-                            self.prompt_tokens_total, self.generation_tokens_total,
+                            self.prompt_tokens_total, self.scheduler.num_generation_tokens,
                             self.thread_controller.threads if self.thread_controller else torch.get_num_threads())
         if self.spec is not None:
             s = self.spec.stats

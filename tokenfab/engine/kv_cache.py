@@ -6,6 +6,8 @@
   (a hash collision must never serve wrong K/V).
 - Freed blocks keep their hash and stay reusable until evicted, least recently freed first.
 - Invariant: with no sequence alive, every block has ref count 0 (`num_used_blocks() == 0`).
+- `hash_seed`: the chain's first parent (None, or engine/kv_connector.key_seed when a KV connector
+  shares the hashes as keys); `newly_full`, when a list, collects (hash, block) of each block registered.
 - `sliding` (engine/sliding_kv.py): the sliding-window layers' smaller pool, slaved to this one; a
   sequence returns its out-of-window sliding blocks as it advances.
 """
@@ -30,6 +32,8 @@ class BlockManager:
         # Blocks with ref count 0, in eviction order (front = evicted first). Values unused.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.hash_seed: int | None = None
+        self.newly_full: list[tuple[int, int]] | None = None   # a KV connector's blocks to save, when set
         # Prefix-cache statistics, in tokens, as vLLM counts them.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -68,7 +72,7 @@ class BlockManager:
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs   # at least one token must run to produce logits
         blocks: list[int] = []
-        parent = None
+        parent = self.hash_seed
         for i in range(max_blocks):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = self.chain_hash(parent, tokens)
@@ -81,6 +85,17 @@ class BlockManager:
             blocks = blocks[:self.sliding.hit_length(blocks)]
         return blocks
 
+    def prefix_hashes(self, token_ids: list[int], cached: list[int]) -> list[int]:
+        """The chain hashes of the full blocks of `token_ids` after the `cached` ones, leaving at least one
+        token to compute (what a KV connector is asked for)."""
+        bs = self.block_size
+        parent = self.block_hash[cached[-1]] if cached else self.hash_seed
+        hashes = []
+        for i in range(len(cached), (len(token_ids) - 1) // bs):
+            parent = self.chain_hash(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(parent)
+        return hashes
+
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
@@ -91,7 +106,7 @@ class BlockManager:
             return
         bs = self.block_size
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        parent = seq.block_hashes[-1] if seq.block_hashes else self.hash_seed
         for i in range(len(seq.block_hashes), full):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = self.chain_hash(parent, tokens)
@@ -99,6 +114,8 @@ class BlockManager:
             if self.block_hash[b] is None and h not in self.hash_to_block:
                 self.block_hash[b], self.block_tokens[b] = h, tokens
                 self.hash_to_block[h] = b
+            if self.newly_full is not None:
+                self.newly_full.append((h, b))
             seq.block_hashes.append(h)
             parent = h
 

@@ -13,9 +13,18 @@ sequence (or the lowest-priority one under the priority policy) is preempted by 
 are freed and it goes back to the front of the queue, keeping the tokens it generated.
 Service classes and prefill lanes (engine/lanes.py) order this: interactive before batch in the queue,
 in the running set and as preemption victims, with per-step caps on batch and long-prompt prefills.
+
+The scheduler owns the requests' state: after the step runs, `update_from_output(batch, output)` advances
+each sequence's computed tokens, registers its newly full blocks in the prefix cache, appends the sampled
+tokens (accepted draft tokens included) and finishes the sequences that stop (engine/update.py).
+With a KV connector (engine/kv_connector.py), a waiting prompt whose next prefix blocks are held
+elsewhere is admitted with them loaded instead of computed; while they are not ready yet it waits
+(WAITING_FOR_REMOTE_KV) and the prompts behind it go first.
 """
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -24,6 +33,9 @@ from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.lanes import BATCH, INTERACTIVE, PrefillCaps, class_rank
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.engine.step_budget import StepBudget
+from tokenfab.engine.update import ModelOutput, StepUpdate, append_token, finish
+
+log = logging.getLogger("tokenfab.engine")
 
 
 @dataclass(slots=True)
@@ -32,6 +44,8 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # (content hash, block id) of the prefix blocks the KV connector loads before the step runs
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -53,14 +67,19 @@ class _StepPlan:
     limit: float | None = None       # the step's time limit for fill work (None: none)
     floor_left: int = 0              # fill tokens still allowed over the limit (the progress floor)
     firm_prefill: bool = False       # an interactive prompt prefills in this step (its TTFT depends on it)
+    remote: dict = field(default_factory=dict)   # seq_id -> (local hit blocks, KV connector's answer): asked once a step
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs", batch_prefill_share: float = 1.0,
                  long_prompt_threshold: int | None = None, max_long_prefill_tokens: int | None = None,
-                 step_budget: StepBudget | None = None):
+                 step_budget: StepBudget | None = None, eos_token_ids=(), max_model_len: int | None = None):
+        """`eos_token_ids`, `max_model_len`: the finish checks of `update_from_output`."""
         self.bm = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.kv_connector = None         # scheduler side of a KV connector (engine/kv_connector.py), when one is set
         self.step_budget = step_budget
         self.batch_prefill_share = batch_prefill_share
         self.long_prompt_threshold = long_prompt_threshold
@@ -72,6 +91,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_generation_tokens = 0   # tokens appended since start
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         """Queue `seq` after the waiting sequences of its class (interactive ones before batch ones);
@@ -159,7 +179,63 @@ class Scheduler:
         self._admit_waiting(plan, is_fill=True)
         if self.step_budget is not None:
             self.step_budget.settle(plan.shape)
+        now = time.monotonic()
+        for seq in plan.batch.seqs:
+            if seq.scheduled_time is None:
+                seq.scheduled_time = now
         return plan.batch
+
+    def update_from_output(self, batch: ScheduledBatch, output: ModelOutput) -> StepUpdate:
+        """Apply an executed step: advance each scheduled sequence's computed tokens (draft tokens count
+        once accepted), register its newly full blocks, append the sampled tokens one at a time up to the
+        first finish, and finish prompt-only sequences once scored. A sequence whose update raises (e.g.
+        a tokenizer failure) ends with an error instead of the batch."""
+        update, prompt_done = StepUpdate(), []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n - len(seq.spec_tokens)
+            self.bm.cache_full_blocks(seq)
+            if seq.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
+                prompt_done.append(seq)     # prompt only (max_tokens 0): scored, nothing to sample
+        now = time.monotonic()
+        for seq, tokens in output.sampled:
+            update.request_ids[seq.request_id] = None
+            try:
+                self._append(seq, tokens, now, update)
+            except Exception as e:
+                log.exception("request %s failed in postprocessing", seq.request_id)
+                update.errors[seq.request_id] = f"{type(e).__name__}: {e}"
+                seq.status = SequenceStatus.FINISHED_ERROR
+                self.remove(seq)
+                update.finished.append(seq)
+        for seq in prompt_done:
+            self._finish(seq, SequenceStatus.FINISHED_LENGTH, None, update)
+            update.request_ids[seq.request_id] = None
+        return update
+
+    def _append(self, seq: Sequence, tokens: list, now: float, update: StepUpdate) -> None:
+        """Append `tokens` (accepted drafts, then one of the target's own). Before this, the sequence's
+        computed tokens reach up to its drafts; each accepted draft's K/V was computed in this step."""
+        had_drafts = bool(seq.spec_tokens)
+        seq.spec_tokens = []
+        ids: list[int] = []
+        update.new_tokens.append((seq, ids))
+        for j, tok in enumerate(tokens):
+            ids.append(tok.token_id)
+            self.num_generation_tokens += 1
+            done = append_token(seq, tok, now, self.eos_token_ids, self.max_model_len)
+            if done is not None:
+                self._finish(seq, *done, update)
+                return
+            if j < len(tokens) - 1:
+                seq.num_computed_tokens += 1
+        if had_drafts:                      # the accepted drafts' blocks; the rejected ones' are freed
+            self.bm.cache_full_blocks(seq)
+            self.bm.trim(seq, seq.num_tokens)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, reason, update: StepUpdate) -> None:
+        finish(seq, status, reason)
+        self.remove(seq)
+        update.finished.append(seq)
 
     def _fit(self, seq: Sequence, computed: int, n: int, plan: "_StepPlan") -> int:
         """Fill tokens of `n` that keep the step within its time limit (or the progress floor)."""
@@ -209,26 +285,52 @@ class Scheduler:
                 break
             cached = self.bm.find_cached_prefix(seq)
             num_cached = len(cached) * self.bm.block_size
-            n = seq.num_tokens - num_cached
+            remote = self._remote_blocks(seq, cached, plan) if self.kv_connector is not None else []
+            if remote is None:
+                continue                   # its blocks are on their way: the prompts behind it go first
+            num_computed = num_cached + len(remote) * self.bm.block_size
+            n = seq.num_tokens - num_computed
             if self._is_fill(seq, n) != is_fill:
                 continue
             if not self.chunked and n > plan.tokens_left:
                 break
             n = plan.caps.clamp(seq, min(n, plan.tokens_left))
             if is_fill:
-                n = self._fit(seq, num_cached, n, plan)
+                n = self._fit(seq, num_computed, n, plan)
             if n <= 0:
                 continue
-            if not self.bm.allocate(seq, n, cached):
+            if not self.bm.allocate(seq, num_computed - num_cached + n, cached):
                 break
             self.waiting.remove(seq)
             if seq.num_preemptions == 0:
                 self.bm.record_prefix_query(seq.num_tokens, num_cached)
-                seq.num_cached_tokens = num_cached
-            seq.num_computed_tokens = num_cached
+                seq.num_cached_tokens = num_computed
+            seq.num_computed_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self._take(seq, num_cached, n, plan, is_fill)
+            if remote:                     # loaded into the blocks after the cached ones before the step runs
+                plan.batch.kv_loads.extend(zip(remote, seq.block_table[len(cached):]))
+            self._take(seq, num_computed, n, plan, is_fill)
+
+    def _remote_blocks(self, seq: Sequence, cached: list[int], plan: "_StepPlan") -> list[int] | None:
+        """Hashes of the prefix blocks after `cached` that the KV connector supplies now; None while
+        they are not ready (the sequence waits for them)."""
+        if seq.needs_prompt_logprobs:
+            return []                      # the prompt's logits need every position computed here
+        asked = plan.remote.get(seq.seq_id)
+        if asked is not None and asked[0] == len(cached):
+            return asked[1]
+        plan.remote[seq.seq_id] = (len(cached), self._ask_connector(seq, cached))
+        return plan.remote[seq.seq_id][1]
+
+    def _ask_connector(self, seq: Sequence, cached: list[int]) -> list[int] | None:
+        hashes = self.bm.prefix_hashes(seq.token_ids, cached)
+        num, ready = self.kv_connector.match(hashes) if hashes else (0, True)
+        if num and not ready:
+            seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+            return None
+        seq.status = SequenceStatus.WAITING
+        return hashes[:num]
 
     @staticmethod
     def _take(seq: Sequence, computed: int, n: int, plan: "_StepPlan", is_fill: bool, spend_caps: bool = True) -> None:
@@ -251,6 +353,8 @@ class Scheduler:
         if not self.waiting or self.waiting[0].service_class != INTERACTIVE:
             return
         head = self.waiting[0]
+        if head.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
+            return                         # it cannot start this step whatever room is made
         while True:
             victims = [s for s in self.running if s.service_class == BATCH]
             if not victims:

@@ -13,6 +13,7 @@ from tokenfab.sampling import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"   # queued; its prefix blocks are on their way (kv_connector.py)
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"

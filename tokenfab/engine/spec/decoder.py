@@ -1,17 +1,18 @@
 """SpecDecoder: the engine's one entry point to speculative decoding.
 
-Each step, around the engine's own schedule -> run -> sample -> postprocess:
+Each step, around the engine's own schedule -> execute -> update_from_output:
 1. `propose(running)`, before scheduling: each decoding sequence that opts in (SamplingParams
    `speculative`, the default) gets up to k draft tokens in `seq.spec_tokens`. The scheduler runs it
    with 1 + len(drafts) new tokens when budget and blocks allow (else it drops the drafts), and the
    runner takes logits at all of those positions.
 2. `sample(sampler, logits, step)`: plain rows go to the sampler as usual; a speculating sequence's
    k + 1 rows are verified (verify.py) into the accepted drafts plus one token of the target's own.
-3. `commit(seq, tokens, append, bm)`: append those tokens one at a time through the engine's
-   `_append_token` (so stop strings, stop_token_ids, EOS, max_tokens and min_tokens hold exactly),
-   mark the accepted drafts' K/V as computed, register the blocks now fully accepted in the prefix
-   cache, and free the blocks beyond what the sequence needs. Rejected drafts' slots are simply
-   overwritten later. A shadow draft (policy.py) is checked against the first token here.
+   A shadow draft (policy.py) is checked against the first token here.
+3. The scheduler's `update_from_output` appends those tokens one at a time (so stop strings,
+   stop_token_ids, EOS, max_tokens and min_tokens hold exactly), marks the accepted drafts' K/V as
+   computed, registers the blocks now fully accepted in the prefix cache, and frees the blocks beyond
+   what the sequence needs. Rejected drafts' slots are simply overwritten later. `after_update(seqs)`
+   then tells a draft-model proposer how far the target's K/V now reach.
 4. `observe_step(...)`, after a decode-only step: its wall time, for the policy's measured costs.
 """
 from __future__ import annotations
@@ -163,6 +164,11 @@ class SpecDecoder:
                 m0 = token_bitmask[0].index(r)         # its k + 1 rows are consecutive
                 mask = (list(range(n)), token_bitmask[1][m0:m0 + n])
             out[i] = self._verify(sampler, logits[r:r + n], seq, mask)
+        for seq, tokens in zip(sampling_seqs, out):
+            st = seq.spec_state
+            if st is not None and st.shadow is not None:      # a shadow draft: would it have been accepted?
+                self.policy.observe(st, 1, int(tokens[0].token_id == st.shadow), self.step_index)
+                st.shadow = None
         return out
 
     def _verify(self, sampler: Sampler, logits: torch.Tensor, seq, mask=None) -> list[SampledToken]:
@@ -201,27 +207,14 @@ class SpecDecoder:
             s.accepted_per_pos[i] += 1
         self.policy.observe(seq.spec_state, num_drafts, num_accepted, self.step_index)
 
-    # -- 3. commit ---------------------------------------------------------------------------------
-    def commit(self, seq, tokens: list[SampledToken], append, block_manager) -> None:
-        """Append `tokens` (accepted drafts, then the target's own) one at a time, stopping at the first
-        finish. Before this, `seq.num_computed_tokens` counts the context up to the drafts."""
-        had_drafts = bool(seq.spec_tokens)
-        seq.spec_tokens = []
-        st = seq.spec_state
-        if st is not None and st.shadow is not None:      # a shadow draft: would it have been accepted?
-            self.policy.observe(st, 1, int(tokens[0].token_id == st.shadow), self.step_index)
-            st.shadow = None
-        for j, tok in enumerate(tokens):
-            append(seq, tok)
-            if seq.status.finished:          # its blocks are freed already
-                return
-            if j < len(tokens) - 1:          # an accepted draft: its K/V were computed in this step
-                seq.num_computed_tokens += 1
+    # -- 3. after the update ----------------------------------------------------------------------
+    def after_update(self, seqs) -> None:
+        """After `Scheduler.update_from_output` appended the sampled tokens (accepted drafts included):
+        the draft model's K/V is valid only as far as the target's."""
         if self.config.method == "draft":
-            self.proposer.observe(seq)
-        if had_drafts:
-            block_manager.cache_full_blocks(seq)
-            block_manager.trim(seq, seq.num_tokens)
+            for seq in seqs:
+                if not seq.status.finished:
+                    self.proposer.observe(seq)
 
     # -- 4. measure --------------------------------------------------------------------------------
     def observe_step(self, num_seqs: int, draft_rows: int, seconds: float) -> None:
