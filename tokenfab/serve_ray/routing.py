@@ -19,6 +19,8 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
+from tokenfab.engine.lanes import is_long_prompt
+
 # Reasons, as they appear in the metric's `reason` label.
 AFFINITY = "prefix_affinity"          # the prefix's preferred replica
 SPILL = "prefix_overflow"             # the preferred replica was over the load bound: next in the ranking
@@ -79,7 +81,7 @@ def rank(loads: list[ReplicaLoad], key: str | None, load_slack: float = 0.25) ->
 
 
 def choose_pool(num_prompt_tokens: int, long_threshold: int | None, pools: set[str]) -> str:
-    if long_threshold is not None and LONG_POOL in pools and num_prompt_tokens >= long_threshold:
+    if LONG_POOL in pools and is_long_prompt(num_prompt_tokens, long_threshold):
         return LONG_POOL
     return SHORT_POOL
 
