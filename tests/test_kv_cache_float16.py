@@ -53,10 +53,10 @@ def test_float16_pools_run_on_the_c_kernels_and_stay_close_to_float32_pools(bund
 def test_metrics_config_info_says_what_auto_became():
     # `tokenfab doctor` sizes KV from this label: "auto" alone would not say float16 or float32
     from types import SimpleNamespace
-    from tokenfab.server.metrics import _EngineCollector
+    from tokenfab.engine.async_engine import model_info
     for pools, label in ((torch.zeros(1, dtype=torch.float16), "float16"), (torch.zeros(1), "float32")):
-        engine = SimpleNamespace(config=EngineConfig(), runner=SimpleNamespace(kv=pools), max_model_len=64)
-        collector = _EngineCollector(SimpleNamespace(engine=engine), "m")
-        assert collector.config_labels()["kv_cache_dtype"] == label
+        engine = SimpleNamespace(config=EngineConfig(), runner=SimpleNamespace(kv=pools), max_model_len=64,
+                                 model_config=SimpleNamespace(vocab_size=100))
+        assert model_info(engine).config_labels["kv_cache_dtype"] == label
     engine.config = EngineConfig(kv_cache_dtype="int8")
-    assert collector.config_labels()["kv_cache_dtype"] == "int8"
+    assert model_info(engine).config_labels["kv_cache_dtype"] == "int8"

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from tokenfab.engine.engine import EngineStats
+from tokenfab.engine.client import EngineStats
 from tokenfab.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenfab.server.app import build_app
 from tokenfab.server.config import ServerConfig

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from tokenfab.costmodel.measured import MeasuredStepCost
+from tokenfab.engine.async_engine import cached_prompt_tokens, queue_snapshot
 from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.lanes import service_class_of
 from tokenfab.engine.sequence import Sequence
@@ -16,7 +17,7 @@ from tokenfab.server.app import build_app
 from tokenfab.server.config import ServerConfig
 from tokenfab.server.errors import APIError
 from tokenfab.server.launch import ServerThread
-from tokenfab.server.slo import QueueSnapshot, SloAdmission, cached_prompt_tokens, predict_ttft
+from tokenfab.server.slo import LoadSnapshot, QueueSnapshot, SloAdmission, predict_ttft
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,8 +28,7 @@ QUEUE = QueueSnapshot(time=0.0, interactive_prefill=3000)          # 3000 prompt
 
 
 def admission(ttft_ms: float, snapshot: QueueSnapshot = QUEUE) -> SloAdmission:
-    online = SimpleNamespace(cost=TINY, snapshot=snapshot, budget=512)
-    return SloAdmission(online, ttft_ms / 1e3, None)
+    return SloAdmission(lambda: LoadSnapshot(snapshot, TINY), 512, ttft_ms / 1e3, None)
 
 
 def test_predicted_ttft_is_the_steps_that_clear_the_queue_ahead_and_the_prompt():
@@ -64,27 +64,26 @@ def test_batch_requests_are_never_shed():
 
 
 def test_uncalibrated_server_admits_everything():
-    online = SimpleNamespace(cost=None, snapshot=QUEUE, budget=512)
-    SloAdmission(online, 0.001, 0.001).admit(10_000, "interactive")
+    SloAdmission(lambda: LoadSnapshot(QUEUE, None), 512, 0.001, 0.001).admit(10_000, "interactive")
 
 
 @pytest.fixture(scope="module")
 def server(bundled_llm):
     engine = bundled_llm.engine
-    before = engine.step_observer
     app = build_app(engine, ServerConfig(access_log=False, ui=False, slo_ttft_ms=1000))
-    try:
-        with ServerThread(app) as srv:
-            yield srv, app.state.tokenfab.slo
-    finally:
-        engine.step_observer = before
+    with ServerThread(app) as srv:
+        yield srv, app.state.tokenfab.slo
     assert engine.block_manager.num_used_blocks() == 0
+
+
+def overloaded() -> LoadSnapshot:
+    """3000 interactive prompt tokens queued, newer than any admission: an interactive request is shed."""
+    return LoadSnapshot(QueueSnapshot(time=1e18, interactive_prefill=3000), TINY)
 
 
 def test_server_sheds_interactive_with_429_and_runs_flex(server):
     srv, slo = server
-    slo.online.cost = TINY
-    slo.online.snapshot = QueueSnapshot(time=1e18, interactive_prefill=3000)   # newer than any admission
+    slo.load = overloaded
     body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
     with httpx.Client(base_url=srv.url, timeout=120) as http:
         r = http.post("/v1/completions", json=body)
@@ -130,7 +129,7 @@ def test_snapshot_counts_interactive_slots_and_their_steps_left_but_not_batch_on
     running = [s("interactive", 50, 51, 5, 30), s("interactive", 70, 71, 2, 10), s("batch", 40, 41, 1, 100)]
     waiting = [s("interactive", 0, 20, 0, 16), s("batch", 0, 300, 0, 16)]
     sched = SimpleNamespace(running=running, waiting=waiting, batch_prefill_share=1.0, max_num_seqs=3)
-    snap = QueueSnapshot.of(sched, 512)
+    snap = queue_snapshot(sched, 512)
     assert (snap.interactive_seqs, snap.max_num_seqs, snap.slot_free_steps) == (3, 3, (8, 25))
     assert (snap.decodes, snap.batch_decodes, snap.interactive_prefill, snap.batch_chunk) == (3, 1, 20, 300)
     assert snap.slot_wait_steps() == 8
@@ -169,16 +168,13 @@ def test_priority_picks_the_class_when_service_tier_leaves_it_to_the_server():
 
 def test_server_routes_priority_to_the_batch_class_and_never_sheds_it(server):
     srv, slo = server
-    slo.online.cost = TINY
-    slo.online.snapshot = QueueSnapshot(time=1e18, interactive_prefill=3000)
+    slo.load = overloaded
     body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
     before = dict(slo.finished)
     with httpx.Client(base_url=srv.url, timeout=120) as http:
         assert http.post("/v1/completions", json={**body, "priority": 1}).status_code == 200      # batch: waits
         chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "priority": 5}
         assert http.post("/v1/chat/completions", json=chat).status_code == 200
-        slo.online.cost = TINY                                       # the steps above refreshed both
-        slo.online.snapshot = QueueSnapshot(time=1e18, interactive_prefill=3000)
         r = http.post("/v1/completions", json={**body, "priority": 5, "service_tier": "default"})
         assert r.status_code == 429                                  # an explicit tier wins: interactive, shed
         r = http.post("/v1/completions", json={**body, "priority": -1})
@@ -206,9 +202,8 @@ def test_with_a_step_budget_batch_work_counts_only_as_far_as_the_budget_lets_it_
 def test_a_tpot_target_does_not_shed_for_batch_work_the_step_budget_holds_back():
     from tokenfab.engine.step_budget import StepBudget
     snap = QueueSnapshot(decodes=12, batch_decodes=10, mean_context=100, batch_chunk=100)
-    online = SimpleNamespace(cost=TINY, snapshot=snap, budget=512,
-                             step_budget=StepBudget(SimpleNamespace(cost=TINY), 0.050))
-    SloAdmission(online, None, 0.050).admit(16, "interactive")       # 3 interactive rows: 3 ms, batch to 50 ms
-    online.step_budget = None                                         # --no-enable-step-time-budget
+    budgeted = LoadSnapshot(snap, TINY, StepBudget(SimpleNamespace(cost=TINY), 0.050))
+    SloAdmission(lambda: budgeted, 512, None, 0.050).admit(16, "interactive")   # 3 interactive rows: 3 ms, batch to 50 ms
+    unbudgeted = LoadSnapshot(snap, TINY, None)                                   # --no-enable-step-time-budget
     with pytest.raises(APIError):
-        SloAdmission(online, None, 0.050).admit(16, "interactive")   # 13 rows + 100 batch tokens: 113 ms
+        SloAdmission(lambda: unbudgeted, 512, None, 0.050).admit(16, "interactive")   # 13 rows + 100 batch tokens: 113 ms

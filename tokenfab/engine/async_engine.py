@@ -1,15 +1,14 @@
-"""AsyncEngine: an LLMEngine driven by one background thread, with one output stream per request.
+"""AsyncEngine: an LLMEngine driven by one background thread, with one output stream per request; the
+EngineClient (engine/client.py) of a server in this process.
 
 LLMEngine is not thread-safe and a step is model compute (milliseconds to seconds), so a worker
 thread owns the engine: it alone calls `add_request`, `abort_request` and `step`. The event loop
 talks to it through a thread-safe inbox of commands, and outputs come back with
 `loop.call_soon_threadsafe`, so the HTTP loop never waits on compute (torch releases the GIL in
 its kernels). The worker takes commands between steps, so a new request joins the next step.
-
-    stream = await engine.add_request(rid, prompt_ids, params)   # ValueError: bad input, nothing queued
-    async for out in stream:                                     # cumulative RequestOutputs
-        ...
-    stream.abort()                                               # the client left: free its blocks now
+What the front end reads of the engine is built here, on the worker thread, as plain data: `stats()`
+after every turn, `load()` (the queue and the step-cost model, for SLO admission) after every step
+once asked for, `info` once at the start.
 
 Failures:
 - An output whose finish_reason is "error" ends that request with RequestFailed.
@@ -21,38 +20,26 @@ Failures:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
 
 from tokenfab import kernels
-from tokenfab.outputs import RequestOutput
+from tokenfab.engine.client import (EngineDeadError, EngineListener, LoadSnapshot, ModelInfo, QueueFullError,
+                                    QueueSnapshot, RequestFailed, SLOT_HORIZON)
+from tokenfab.engine.lanes import BATCH, batch_prefill_cap
+from tokenfab.engine.streams import RequestStream, StreamClient
 from tokenfab.sampling import SamplingParams
+from tokenfab.structured_output import StructuredOutputParams
 
 log = logging.getLogger("tokenfab.engine")
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can be served."""
-
-
-class QueueFullError(RuntimeError):
-    """Too many requests are waiting; the caller should shed this one (HTTP 429)."""
-
-
-class RequestFailed(RuntimeError):
-    """This request failed inside the engine; other requests are unaffected."""
-
-
-class EngineListener(Protocol):
-    """Receives timings for metrics, on the event loop."""
-    def on_first_token(self, output: RequestOutput) -> None: ...
-    def on_itl(self, gap_s: float, count: int) -> None: ...
-    def on_finished(self, reason: str, output: RequestOutput | None) -> None: ...
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestFailed", "RequestStream", "EngineListener"]
 
 
 @dataclass(slots=True)
@@ -75,74 +62,22 @@ class _Stop:
     pass
 
 
-class RequestStream:
-    """One request's outputs, consumed on the event loop. Outputs are cumulative, so an unread output
-    is replaced by the next one: a slow reader skips to the newest, and memory stays one output deep."""
-
-    def __init__(self, request_id: str, owner: "AsyncEngine") -> None:
-        self.request_id = request_id
-        self.prompt_token_ids: list[int] = []
-        self.finished = False
-        self.last: RequestOutput | None = None
-        self._owner = owner
-        self._items: deque[RequestOutput | BaseException] = deque()
-        self._ready = asyncio.Event()
-        self._num_tokens = 0                    # generated so far over all n samples (for ITL)
-        self._last_token_time: float | None = None
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        last = self._items[-1] if self._items else None
-        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and not last.finished:
-            self._items[-1] = item           # cumulative: the newer output supersedes the unread one
-        else:
-            self._items.append(item)
-        self._ready.set()
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished and not self._items:
-            raise StopAsyncIteration
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        item = self._items.popleft()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.last = item
-        if item.finished:
-            self.finished = True
-        return item
-
-    async def result(self) -> RequestOutput:
-        """Wait for the final output."""
-        async for _ in self:
-            pass
-        assert self.last is not None
-        return self.last
-
-    def abort(self) -> None:
-        """Stop the request now (its KV blocks are freed at the engine's next turn). Idempotent."""
-        if not self.finished:
-            self.finished = True
-            self._owner.abort(self.request_id)
-
-
-class AsyncEngine:
+class AsyncEngine(StreamClient):
     def __init__(self, engine, *, max_waiting_requests: int | None = None, max_consecutive_failures: int = 3,
                  listener: EngineListener | None = None) -> None:
+        super().__init__(listener)
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.max_consecutive_failures = max_consecutive_failures
-        self.listener = listener
         self.dead_reason: str | None = None
+        self.info = model_info(engine)
+        self.tokenizer = engine.tokenizer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}     # touched only on the event loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
+        self._load = LoadSnapshot()
+        self._load_wanted = False
         # Each counter is written by one thread only, so their difference is safe to read anywhere.
         self._adds_submitted = 0
         self._adds_processed = 0
@@ -155,6 +90,10 @@ class AsyncEngine:
         kernels.release_thread_pool()      # the model's loader thread hands its OpenMP pool back: one pool
         self._thread = threading.Thread(target=self._run, name="tokenfab-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Abort what is left, stop the worker and fail any stream still open."""
@@ -170,14 +109,29 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self.dead_reason is None and self._thread is not None and self._thread.is_alive()
 
+    def degraded(self) -> str | None:
+        return None
+
+    # -- input (event loop side; read-only on the engine) -------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.engine.tokenize(prompt)
+
+    def compile_structured(self, spec: StructuredOutputParams) -> None:
+        self.engine.structured.compile(spec)
+
+    # -- what the engine reports --------------------------------------------------------------
     def stats(self):
         """EngineStats as of the worker's last turn (a snapshot; never blocks on a step)."""
         return self._stats
 
-    @property
-    def num_requests(self) -> int:
-        """Requests accepted and not finished (each counts once whatever its n)."""
-        return len(self._streams)
+    def load(self) -> LoadSnapshot:
+        self._load_wanted = True
+        return self._load
+
+    def cached_prompt_tokens(self, prompts: list[list[int]], n: int = 1) -> int:
+        # A lock-free read of the prefix cache's index while the worker steps (BlockManager.cached_blocks
+        # is read-only): a block evicted meanwhile only makes the estimate stale.
+        return cached_prompt_tokens(self.engine.block_manager, prompts, n)
 
     def num_waiting(self) -> int:
         """Sequences queued in the engine plus requests not yet handed to it."""
@@ -196,10 +150,7 @@ class AsyncEngine:
         if self.max_waiting_requests is not None and self.num_waiting() >= self.max_waiting_requests:
             raise QueueFullError(f"{self.num_waiting()} requests are waiting (the limit is "
                                  f"{self.max_waiting_requests}); retry later")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id, self)
-        self._streams[request_id] = stream
+        stream = self._open(request_id)
         future = self._loop.create_future()
         self._adds_submitted += 1
         self._inbox.put(_Add(request_id, prompt, params, priority, arrival_time, future, service_class))
@@ -213,59 +164,11 @@ class AsyncEngine:
             raise
         return stream
 
-    def abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return
-        stream.finished = True
+    def _cancel(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
-        if self.listener:
-            self.listener.on_finished("abort", stream.last)
-
-    # -- outputs (event loop side, called from the worker via call_soon_threadsafe) -----------
-    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue                     # aborted while this step ran
-            try:
-                self._deliver_one(stream, out, now)
-            except Exception as e:            # a bug on one request's path must not stop the others
-                log.exception("request %s: failed while handling its output", out.request_id)
-                self._fail(stream, RequestFailed(f"internal error while handling this request: {e}"), abort=True)
-
-    def _deliver_one(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
-        num_tokens = sum(len(o.token_ids) for o in out.outputs)
-        new = num_tokens - stream._num_tokens
-        if new > 0 and self.listener:
-            if stream._last_token_time is None:
-                self.listener.on_first_token(out)
-            else:
-                self.listener.on_itl(now - stream._last_token_time, new)
-        if new > 0:
-            stream._num_tokens, stream._last_token_time = num_tokens, now
-        failed = [o for o in out.outputs if o.finish_reason == "error"]
-        if failed or out.error:
-            self._fail(stream, RequestFailed(out.error or "the engine failed on this request"), abort=not out.finished)
-            return
-        stream._put(out)
-        if out.finished:
-            self._streams.pop(stream.request_id, None)
-            if self.listener:
-                self.listener.on_finished(out.outputs[0].finish_reason or "stop", out)
-
-    def _fail(self, stream: RequestStream, error: BaseException, abort: bool) -> None:
-        self._streams.pop(stream.request_id, None)
-        if abort:
-            self._inbox.put(_Abort(stream.request_id))
-        stream._put(error)
-        if self.listener:
-            self.listener.on_finished("error", stream.last)
 
     def _fail_all(self, error: BaseException) -> None:
-        for stream in list(self._streams.values()):
-            self._streams.pop(stream.request_id, None)
-            stream._put(error)
+        super()._fail_all(error)
         while True:                          # adds the worker will never see
             try:
                 cmd = self._inbox.get_nowait()
@@ -307,6 +210,8 @@ class AsyncEngine:
                     continue
                 now = time.monotonic()
                 self._stats = self.engine.stats()
+                if self._load_wanted:
+                    self._load = load_snapshot(self.engine)
                 if outputs:
                     self._post(self._deliver, outputs, now)
                 elif now - t0 < 1e-3:
@@ -375,3 +280,72 @@ def _resolve(future: asyncio.Future, value, error: BaseException | None) -> None
         future.set_exception(error)
     else:
         future.set_result(value)
+
+
+# -- what the front end reads, built from the engine on its side -------------------------------------
+def model_info(engine) -> ModelInfo:
+    """The engine's ModelInfo: the model, its limits, and /metrics' config_info labels (what "auto"
+    settings became, the KV pool's size, each linear's kernel plan)."""
+    cfg = getattr(engine, "config", None)
+    labels: dict[str, str] = {}
+    if cfg is not None:
+        labels = {k: str(getattr(cfg, k, "")) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                                                       "dtype", "kv_cache_dtype", "quantization")}
+        kv = getattr(getattr(engine, "runner", None), "kv", None)
+        if labels["kv_cache_dtype"] == "auto" and getattr(kv, "dtype", None) is not None:   # what "auto" became (doctor reads it)
+            labels["kv_cache_dtype"] = str(kv.dtype).removeprefix("torch.")
+        bm = getattr(engine, "block_manager", None)
+        if bm is not None:
+            labels["num_kv_blocks"] = str(bm.num_blocks)
+        labels["max_model_len"] = str(getattr(engine, "max_model_len", ""))
+        report = getattr(engine, "kernel_report", None)
+        if report is not None and report.ranges:      # what each linear shape runs, and the measurements behind it
+            labels["linear_plans"] = json.dumps({k: [report.layers.get(k, 1), v] for k, v in report.ranges.items()},
+                                                separators=(",", ":"))
+            labels["kernel_table"] = report.table_path or ""
+    budget = getattr(cfg, "max_num_batched_tokens", 0)
+    return ModelInfo(getattr(engine, "model_path", None), engine.max_model_len, engine.model_config.vocab_size,
+                     tuple(getattr(engine, "eos_token_ids", ()) or ()), getattr(cfg, "max_num_seqs", 1),
+                     getattr(cfg, "scheduling_policy", "fcfs"), budget,
+                     batch_prefill_cap(budget, getattr(cfg, "batch_prefill_share", 1.0)),
+                     getattr(cfg, "long_prompt_threshold", None), labels)
+
+
+def queue_snapshot(scheduler, budget: int) -> QueueSnapshot:
+    """The scheduler's queue now, for SLO admission (engine thread)."""
+    pending, decodes, batch_decodes, ctx, batch_left, inter, left_steps = 0, 0, 0, 0, 0, 0, []
+    running = set(map(id, scheduler.running))
+    for s in list(scheduler.running) + list(scheduler.waiting):
+        left = s.num_tokens - s.num_computed_tokens
+        if s.service_class != BATCH:
+            inter += 1
+            if id(s) in running:
+                left_steps.append(max(1, s.max_tokens - s.num_output_tokens))
+        if id(s) in running and left <= 1:
+            decodes += 1
+            batch_decodes += s.service_class == BATCH
+            ctx += s.num_computed_tokens
+        elif s.service_class == BATCH:
+            batch_left += left
+        else:
+            pending += left
+    cap = batch_prefill_cap(budget, scheduler.batch_prefill_share)
+    return QueueSnapshot(time.monotonic(), pending, decodes, batch_decodes, ctx / decodes if decodes else 0.0,
+                         batch_left if cap is None else min(batch_left, cap), inter, scheduler.max_num_seqs,
+                         tuple(sorted(left_steps)[:SLOT_HORIZON]))
+
+
+def load_snapshot(engine) -> LoadSnapshot:
+    """The queue, the step-cost model and a copy of the step-time budget (engine thread)."""
+    scheduler = engine.scheduler
+    budget = scheduler.step_budget
+    if budget is not None:                 # its arrival history moves on with every step: a copy
+        budget = replace(budget, recent_firm=deque(budget.recent_firm, maxlen=budget.recent_firm.maxlen))
+    return LoadSnapshot(queue_snapshot(scheduler, scheduler.max_num_batched_tokens), engine.step_cost.cost, budget)
+
+
+def cached_prompt_tokens(block_manager, prompts: list[list[int]], n: int = 1) -> int:
+    """Prompt tokens a prefix-cache hit will skip: each prompt's leading cached full blocks, for each of
+    its n sequences (the first of them registers nothing new before the others are admitted)."""
+    bs = block_manager.block_size
+    return n * sum(len(block_manager.cached_blocks(ids)) * bs for ids in prompts)

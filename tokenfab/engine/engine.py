@@ -7,11 +7,11 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from tokenfab.config import EngineConfig
+from tokenfab.engine.client import EngineStats, tokenize_prompt
 from tokenfab.engine.detokenizer import IncrementalDetokenizer
 from tokenfab.engine import prompt_logprobs
 from tokenfab.engine.kv_cache import BlockManager
@@ -45,25 +45,6 @@ def _set_threads(cores: int, n: int) -> None:
 def _from_worker(name: str, doc: str) -> property:
     """An attribute of rank 0's Worker, read through the engine (worker/worker.py builds it)."""
     return property(lambda self: getattr(self.executor.worker, name), doc=doc)
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """Counters since start (monotonic) and gauges (now), for /metrics and benchmarks."""
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-    num_threads: int = 0                 # threads the steps run on now (the C kernels' pool's, above the cores)
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()   # [i]: drafts whose token i was accepted
 
 
 class LLMEngine:
@@ -150,17 +131,7 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return list(self.tokenizer(prompt).input_ids)
-        if not isinstance(prompt, (list, tuple)) or not prompt:
-            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
-        vocab = self.model_config.vocab_size
-        for t in prompt:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t!r} is not in [0, {vocab})")
-        return list(prompt)
+        return tokenize_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
 
     def check_prompt_length(self, num_tokens: int) -> None:
         if num_tokens >= self.max_model_len:

@@ -33,6 +33,16 @@ def service_class_of(service_tier: str | None, priority: int, batch_priority: in
     return INTERACTIVE
 
 
+def batch_prefill_cap(budget: int, batch_share: float) -> int | None:
+    """Prefill tokens batch-class sequences may take in a step of `budget` tokens (None: no cap)."""
+    return None if batch_share >= 1 else max(1, int(budget * batch_share))
+
+
+def is_long_prompt(num_prompt_tokens: int, long_threshold: int | None) -> bool:
+    """Whether a prompt prefills in the long-prompt lane (None: there is no such lane)."""
+    return long_threshold is not None and num_prompt_tokens >= long_threshold
+
+
 def class_rank(seq) -> int:
     """0 for interactive, 1 for batch: sorts interactive work first."""
     return int(seq.service_class == BATCH)
@@ -48,12 +58,11 @@ class PrefillCaps:
     @classmethod
     def for_step(cls, budget: int, batch_share: float, long_threshold: int | None,
                  max_long_tokens: int | None) -> "PrefillCaps":
-        batch = None if batch_share >= 1 else max(1, int(budget * batch_share))
         long = max_long_tokens if long_threshold is not None else None
-        return cls(batch, long, long_threshold)
+        return cls(batch_prefill_cap(budget, batch_share), long, long_threshold)
 
     def _is_long(self, seq) -> bool:
-        return self.long_threshold is not None and seq.num_prompt_tokens >= self.long_threshold
+        return is_long_prompt(seq.num_prompt_tokens, self.long_threshold)
 
     def clamp(self, seq, n: int) -> int:
         """How many of `n` prefill tokens `seq` may run this step (a decode, n == 1, is never capped)."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from tokenfab.costmodel.shape import StepShape
 from tokenfab.engine.kv_cache import BlockManager
-from tokenfab.engine.lanes import BATCH, INTERACTIVE, PrefillCaps, class_rank
+from tokenfab.engine.lanes import BATCH, INTERACTIVE, PrefillCaps, class_rank, is_long_prompt
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.engine.step_budget import StepBudget
 from tokenfab.engine.update import ModelOutput, StepUpdate, append_token, finish
@@ -145,7 +145,7 @@ class Scheduler:
         batch.preempted.append(seq)
 
     def _is_long(self, seq: Sequence) -> bool:
-        return self.long_prompt_threshold is not None and seq.num_prompt_tokens >= self.long_prompt_threshold
+        return is_long_prompt(seq.num_prompt_tokens, self.long_prompt_threshold)
 
     def _is_fill(self, seq: Sequence, n: int) -> bool:
         """Batch rows, and prefill chunks (n > 1 tokens to run) in the long-prompt lane: the work that goes

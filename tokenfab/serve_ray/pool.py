@@ -1,5 +1,5 @@
 """The ingress's engine: the server's FastAPI app (server/app.py, unchanged) runs on this object in
-place of a local AsyncEngine. It is an AsyncEngine whose worker is the replica pools.
+place of a local AsyncEngine. It is an EngineClient (engine/client.py) whose engine is the replica pools.
 
 - `add_request` picks the pool by prompt length, calls the pool's streaming DeploymentHandle (whose
   router, router.py, picks the replica), and returns once a replica has accepted the request, with
@@ -10,6 +10,8 @@ place of a local AsyncEngine. It is an AsyncEngine whose worker is the replica p
   which the routes turn into an error event (streaming) or a 500 (non-streaming). Never a hang.
 - `stats()` sums the replicas' last reported stats; `replica_stats()` keeps them apart (/metrics'
   `replica` label); `pools()` says how many replicas each pool has (/health: degraded when one is empty).
+- The model's info and tokenizer come from a replica's `describe()`: prompts are tokenized and
+  grammars compiled here, so bad input is a 400 before anything is routed.
 """
 from __future__ import annotations
 
@@ -18,44 +20,17 @@ import dataclasses
 import logging
 import time
 
-from tokenfab.engine.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestFailed,
-                                          RequestStream)
-from tokenfab.engine.engine import EngineStats, LLMEngine
+from tokenfab.engine.client import (EngineDeadError, EngineStats, LoadSnapshot, ModelInfo, QueueFullError,
+                                    RequestFailed, tokenize_prompt)
+from tokenfab.engine.streams import RequestStream, StreamClient
 from tokenfab.sampling import SamplingParams
 from tokenfab.serve_ray import routing
 from tokenfab.serve_ray.replica import ACCEPTED
+from tokenfab.structured_output import StructuredOutputParams
 
 log = logging.getLogger("tokenfab.serve_ray")
 
 _STAT_FIELDS = [f.name for f in dataclasses.fields(EngineStats)]
-
-
-class EngineView:
-    """Stands in for LLMEngine at the ingress: tokenizer, limits and config from a replica's `describe`,
-    no weights. The server reads these; generation goes to the replicas."""
-
-    tokenize = LLMEngine.tokenize             # uses only tokenizer and model_config
-
-    def __init__(self, desc: dict, stats_fn) -> None:
-        self.model_path = desc["model_path"]
-        self.model_config = desc["model_config"]
-        self.tokenizer = desc["tokenizer"]
-        self.config = desc["config"]
-        self.max_model_len = desc["max_model_len"]
-        self.eos_token_ids = desc["eos_token_ids"]
-        self._stats_fn = stats_fn
-        self._structured = None
-
-    @property
-    def structured(self):
-        """Grammars are compiled here too, so a bad schema gets its 400 before anything is routed."""
-        if self._structured is None:
-            from tokenfab.engine.structured import GrammarCompiler
-            self._structured = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        return self._structured
-
-    def stats(self) -> EngineStats:
-        return self._stats_fn()
 
 
 def sum_stats(per_replica: list[dict]) -> EngineStats:
@@ -79,19 +54,28 @@ def _is_replica_failure(e: BaseException) -> bool:
     return isinstance(e, (rex.RayActorError, rex.ActorUnavailableError, EngineDeadError))
 
 
-class ReplicaPoolEngine(AsyncEngine):
+class ReplicaPoolEngine(StreamClient):
+    """The EngineClient (engine/client.py) of the ingress: requests go to the replica pools."""
+
     def __init__(self, handles: dict, desc: dict, long_threshold: int | None = None,
                  accept_timeout_s: float = 120.0) -> None:
         """handles: pool name -> DeploymentHandle of EngineReplica (routing.SHORT_POOL, optionally LONG_POOL).
+        desc: a replica's `describe()` (its ModelInfo and tokenizer).
         accept_timeout_s: how long a request may wait for a pool with no running replica before a 503, and
         how long a request whose replicas keep failing before its first token is retried."""
+        super().__init__()
         self.handles = handles
+        self.info: ModelInfo = desc["info"]
+        self.tokenizer = desc["tokenizer"]
         self.long_threshold = long_threshold
         self.accept_timeout_s = accept_timeout_s
+        self.max_waiting_requests: int | None = None     # each replica sheds its own load
+        self.dead_reason: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: dict[str, asyncio.Task] = {}
         self._started = False
+        self._grammars = None
         self.retries = 0                      # requests re-sent after their replica failed (/metrics)
-        super().__init__(EngineView(desc, self._aggregate))
 
     # -- what the replicas report (from the routers, router.py) ---------------------------------------
     def replica_stats(self) -> dict[str, dict[str, dict]]:
@@ -112,10 +96,32 @@ class ReplicaPoolEngine(AsyncEngine):
         empty = [p for p, n in self.pools().items() if n == 0]
         return f"no running replica in pool(s) {', '.join(empty)}" if empty else None
 
-    def _aggregate(self) -> EngineStats:
+    def stats(self) -> EngineStats:
         return sum_stats([s for reps in self.replica_stats().values() for s in reps.values()])
 
-    # -- AsyncEngine's interface ----------------------------------------------------------------------
+    def load(self) -> LoadSnapshot:
+        """Nothing to predict from here: each replica queues its own requests (SLO admission needs one
+        engine, `tokenfab serve` says so)."""
+        return LoadSnapshot()
+
+    def cached_prompt_tokens(self, prompts: list[list[int]], n: int = 1) -> int:
+        return 0                              # the prefix caches live in the replicas
+
+    def num_waiting(self) -> int:
+        return self.stats().num_waiting
+
+    # -- input: checked here, before anything is routed -------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return tokenize_prompt(self.tokenizer, self.info.vocab_size, prompt)
+
+    def compile_structured(self, spec: StructuredOutputParams) -> None:
+        """Grammars are compiled here too, so a bad schema gets its 400 before anything is routed."""
+        if self._grammars is None:
+            from tokenfab.engine.structured import GrammarCompiler
+            self._grammars = GrammarCompiler(self.tokenizer, self.info.vocab_size, list(self.info.eos_token_ids))
+        self._grammars.compile(spec)
+
+    # -- life cycle -----------------------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._started = True
@@ -133,23 +139,15 @@ class ReplicaPoolEngine(AsyncEngine):
     def is_alive(self) -> bool:
         return self._started and self.dead_reason is None
 
-    def stats(self) -> EngineStats:
-        return self._aggregate()
-
-    def num_waiting(self) -> int:
-        return self.stats().num_waiting
-
+    # -- requests -------------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           priority: int = 0, arrival_time: float | None = None,
                           service_class: str = "interactive") -> RequestStream:
         if not self._started:
             raise EngineDeadError("the replica pools are not running")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.engine.tokenize(prompt)
+        ids = self.tokenize(prompt)
         pool = routing.choose_pool(len(ids), self.long_threshold, set(self.handles))
-        stream = RequestStream(request_id, self)
-        self._streams[request_id] = stream
+        stream = self._open(request_id)
         accepted = self._loop.create_future()
         task = self._loop.create_task(self._pump(stream, pool, ids, params, priority, arrival_time or time.time(),
                                                  service_class, accepted))
@@ -168,23 +166,10 @@ class ReplicaPoolEngine(AsyncEngine):
             raise
         return stream
 
-    def abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return
-        stream.finished = True
+    def _cancel(self, request_id: str) -> None:
         task = self._tasks.pop(request_id, None)
-        if task is not None:
+        if task is not None and task is not asyncio.current_task():
             task.cancel()                     # cancels the replica call: its generator aborts the request
-        if self.listener:
-            self.listener.on_finished("abort", stream.last)
-
-    def _fail(self, stream: RequestStream, error: BaseException, abort: bool) -> None:
-        if abort:
-            task = self._tasks.pop(stream.request_id, None)
-            if task is not None and task is not asyncio.current_task():
-                task.cancel()
-        super()._fail(stream, error, abort=False)
 
     # -- one request's life on the replicas -----------------------------------------------------------
     async def _pump(self, stream: RequestStream, pool: str, ids: list[int], params: SamplingParams,

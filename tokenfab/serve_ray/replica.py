@@ -38,7 +38,7 @@ class EngineReplica:
             self.replica_id = f"local-{os.getpid()}"
 
     def _ensure_started(self) -> None:
-        if self.async_engine._thread is None:     # the worker must post to the loop that reads the streams
+        if not self.async_engine.started:         # the worker must post to the loop that reads the streams
             self.async_engine.start()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
@@ -55,10 +55,7 @@ class EngineReplica:
 
     async def describe(self) -> dict:
         """What the ingress needs to tokenize and check requests without loading the weights."""
-        e = self.engine
-        return {"model_path": e.model_path, "model_config": e.model_config, "tokenizer": e.tokenizer,
-                "config": e.config, "max_model_len": e.max_model_len, "num_kv_blocks": e.block_manager.num_blocks,
-                "eos_token_ids": list(getattr(e, "eos_token_ids", []) or [])}
+        return {"info": self.async_engine.info, "tokenizer": self.async_engine.tokenizer}
 
     def record_routing_stats(self) -> dict:
         stats = dataclasses.asdict(self.async_engine.stats())
@@ -74,7 +71,7 @@ class EngineReplica:
 
     def __del__(self) -> None:
         try:
-            if self.async_engine._thread is not None and self.async_engine._loop is not None:
+            if self.async_engine.started:
                 asyncio.run_coroutine_threadsafe(self.async_engine.stop(), self.async_engine._loop)
         except Exception:
             pass

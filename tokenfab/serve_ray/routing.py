@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from tokenfab.serve_spec import LONG_POOL, SHORT_POOL  # noqa: F401  (the pools' names)
+from tokenfab.engine.lanes import is_long_prompt
 
 # Reasons, as they appear in the metric's `reason` label.
 AFFINITY = "prefix_affinity"          # the prefix's preferred replica
@@ -80,7 +81,7 @@ def rank(loads: list[ReplicaLoad], key: str | None, load_slack: float = 0.25) ->
 
 
 def choose_pool(num_prompt_tokens: int, long_threshold: int | None, pools: set[str]) -> str:
-    if long_threshold is not None and LONG_POOL in pools and num_prompt_tokens >= long_threshold:
+    if LONG_POOL in pools and is_long_prompt(num_prompt_tokens, long_threshold):
         return LONG_POOL
     return SHORT_POOL
 

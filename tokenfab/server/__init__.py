@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server (`tokenfab serve`): FastAPI routes over the AsyncEngine.
+"""The OpenAI-compatible HTTP server (`tokenfab serve`): FastAPI routes over an EngineClient.
 
 app.py builds the app; completions.py and chat.py are the generation routes; protocol.py the request
 schemas; errors.py the OpenAI error shape; middleware.py auth, body limit and access log; metrics.py

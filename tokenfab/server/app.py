@@ -2,8 +2,10 @@
 
     app = build_app(LLMEngine(EngineConfig()), ServerConfig())   # then run it with uvicorn
 
-The generation routes live in completions.py and chat.py; the small ones are here. The AsyncEngine's
-worker thread starts with the app (lifespan) and stops after uvicorn has drained the connections.
+The generation routes live in completions.py and chat.py; the small ones are here. The routes reach the
+engine only through its EngineClient (engine/client.py); an LLMEngine given here is wrapped in an
+AsyncEngine, whose worker thread starts with the app (lifespan) and stops after uvicorn has drained
+the connections.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenfab.engine.async_engine import AsyncEngine
+from tokenfab.engine.client import EngineClient, ModelInfo
 from tokenfab.batch.service import BatchService
 from tokenfab.batch.store import BatchStore
 from tokenfab.server import batch_routes, chat, completions
@@ -35,40 +38,41 @@ from tokenfab.version import __version__
 log = logging.getLogger("tokenfab.server")
 
 
-def default_model_name(engine) -> str:
+def default_model_name(info: ModelInfo) -> str:
     """The bundled model's name, or the file/folder name without a .gguf suffix."""
     from tokenfab.model.bundled import model_display_name
-    return model_display_name(getattr(engine, "model_path", None))
+    return model_display_name(info.model_path)
 
 
 def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
-    """An app serving `engine` (an LLMEngine, or an AsyncEngine around one)."""
+    """An app serving `engine`: an EngineClient (an AsyncEngine, the Ray pools), or an LLMEngine to
+    run in an AsyncEngine."""
     config = config or ServerConfig()
     config.validate()
-    async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
-    async_engine.max_waiting_requests = config.max_waiting_requests
-    names = list(config.served_model_names) or [default_model_name(async_engine.engine)]
-    metrics = ServerMetrics(async_engine, names[0])
-    async_engine.listener = metrics
-    state = ServerState(async_engine, config, names, metrics)
+    client = engine if isinstance(engine, EngineClient) else AsyncEngine(engine)
+    client.max_waiting_requests = config.max_waiting_requests
+    names = list(config.served_model_names) or [default_model_name(client.info)]
+    metrics = ServerMetrics(client, names[0])
+    client.listener = metrics
+    state = ServerState(client, config, names, metrics)
     if config.slo_ttft_ms is not None or config.slo_tpot_ms is not None:
         _install_slo(state, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        async_engine.start()
+        client.start()
         with contextlib.ExitStack() as cleanup:
             data_dir = config.data_dir or cleanup.enter_context(tempfile.TemporaryDirectory(prefix="tokenfab-batch-"))
             store = cleanup.enter_context(contextlib.closing(
                 BatchStore(data_dir, config.batch_max_file_bytes, config.batch_max_total_bytes)))
-            app.state.batches = BatchService(store, functools.partial(call_route, app), config.batch_concurrency or async_engine.engine.config.max_num_seqs)
+            app.state.batches = BatchService(store, functools.partial(call_route, app), config.batch_concurrency or client.info.max_num_seqs)
             app.state.batches.resume()       # batches a previous run left unfinished carry on
             try:
                 yield
             finally:
                 state.draining = True
                 await app.state.batches.stop()
-                await async_engine.stop()
+                await client.stop()
 
     app = FastAPI(title="tokenfab", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
@@ -106,27 +110,27 @@ def _get_and_head(app: FastAPI, path: str):
 
 
 def _install_slo(state: ServerState, config: ServerConfig) -> None:
-    """Admission by predicted latency: the step model learns from the engine's own steps."""
-    from tokenfab.server.slo import Listeners, OnlineStepCost, SloAdmission
-    engine = state.async_engine.engine
-    online = OnlineStepCost(engine, then=engine.step_observer)
-    engine.step_observer = online
+    """Admission by predicted latency, from the load the engine publishes after each step (its step
+    model learns from its own steps)."""
+    from tokenfab.server.slo import Listeners, SloAdmission
+    client = state.client
+    client.load()                           # the engine publishes its load from now on
     ms = lambda v: None if v is None else v / 1e3                   # noqa: E731
-    state.slo = SloAdmission(online, ms(config.slo_ttft_ms), ms(config.slo_tpot_ms))
-    state.async_engine.listener = Listeners(state.metrics, state.slo)
+    state.slo = SloAdmission(client.load, client.info.max_num_batched_tokens, ms(config.slo_ttft_ms),
+                             ms(config.slo_tpot_ms))
+    client.listener = Listeners(state.metrics, state.slo)
     state.metrics.registry.register(state.slo)
 
 
 def _add_small_routes(app: FastAPI, st: ServerState) -> None:
     @_get_and_head(app, "/health")
     async def health() -> Response:
-        if st.async_engine.dead_reason is not None or not st.async_engine.is_alive:
-            reason = st.async_engine.dead_reason or "the engine loop is not running"
+        if st.client.dead_reason is not None or not st.client.is_alive:
+            reason = st.client.dead_reason or "the engine loop is not running"
             return APIError(503, f"unhealthy: {reason}", code="engine_dead").response()
         if st.draining:
             return APIError(503, "shutting down", code="shutting_down").response()
-        degraded = getattr(st.async_engine, "degraded", None)     # replica pools (serve_ray/pool.py)
-        reason = degraded() if degraded is not None else None
+        reason = st.client.degraded()          # replica pools (serve_ray/pool.py): a pool without replicas
         if reason is not None:
             return JSONResponse({"status": "degraded", "reason": reason})
         return JSONResponse({"status": "ok"})
@@ -139,7 +143,7 @@ def _add_small_routes(app: FastAPI, st: ServerState) -> None:
     async def models() -> dict:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": st.created, "owned_by": "tokenfab",
-             "root": getattr(st.engine, "model_path", None), "max_model_len": st.max_model_len}
+             "root": st.info.model_path, "max_model_len": st.max_model_len}
             for name in st.model_names]}
 
     @_get_and_head(app, "/v1/models/{model_id:path}")
@@ -172,7 +176,7 @@ def _add_small_routes(app: FastAPI, st: ServerState) -> None:
     async def detokenize(request: Request) -> dict:
         req: DetokenizeRequest = await st.parse(request, DetokenizeRequest)
         st.check_model(req.model)
-        vocab = st.engine.model_config.vocab_size
+        vocab = st.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is not in [0, {vocab})", param="tokens", code="invalid_value")

@@ -52,7 +52,7 @@ async def create_chat_completion(request: Request) -> Response:
     service_class = st.request_class(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
-    vocab = st.engine.model_config.vocab_size
+    vocab = st.vocab_size
     check_request(req, st.config, 1, vocab)
     tools, structure = await chat_constraints(st, req)
     ids = conversation_ids(st, req.messages, req.add_generation_prompt, tools)

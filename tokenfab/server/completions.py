@@ -37,14 +37,14 @@ async def create_completion(request: Request) -> Response:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
     service_class = st.request_class(req)
     prompts = req.prompts()
-    vocab = st.engine.model_config.vocab_size
+    vocab = st.vocab_size
     check_request(req, st.config, len(prompts), vocab)
     prompt_ids = [st.prompt_ids(p, "prompt") for p in prompts]
     for ids in prompt_ids:
         st.check_length(len(ids), req.max_tokens, "prompt", "max_tokens")
     structure, structure_param = requested_structure(req)      # vLLM's guided_* extras
     if structure is not None:
-        await check_compiles(st.engine, structure, structure_param)
+        await check_compiles(st.client, structure, structure_param)
     prompt_lps = req.logprobs if req.echo and req.logprobs is not None else None
     params = st.sampling_params({**req.sampling_kwargs(), "max_tokens": req.max_tokens, "logprobs": req.logprobs,
                                  "prompt_logprobs": prompt_lps, "logit_bias": logit_bias_ids(req.logit_bias, vocab),

@@ -48,7 +48,7 @@ def add_doctor_route(app: FastAPI, st) -> None:
             return None
         from tokenfab.doctor.report import deployment_for
         try:
-            return deployment_for(hardware, getattr(st.engine, "model_path", None), st.metrics.config_labels())
+            return deployment_for(hardware, st.info.model_path, st.metrics.config_labels())
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise APIError(400, str(e).strip("'\""), param="hardware") from None
 

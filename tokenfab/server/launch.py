@@ -75,7 +75,7 @@ class TokenfabServer(uvicorn.Server):
         if not self.should_exit:
             self.state.draining = True
             log.info("received %s: draining %d in-flight request(s) for up to %s s",
-                     signal.Signals(sig).name if sig else "stop", self.state.async_engine.num_requests,
+                     signal.Signals(sig).name if sig else "stop", self.state.client.num_requests,
                      self.config.timeout_graceful_shutdown)
         super().handle_exit(sig, frame)
 

@@ -2,16 +2,15 @@
 
 Two sources:
 - Gauges and engine counters (running/waiting, KV usage, prefix cache, preemptions, token totals,
-  speculative decoding) are read from the AsyncEngine's latest stats snapshot at scrape time by a
-  custom collector, so a scrape never waits for a step.
+  speculative decoding) are read from the EngineClient's latest stats snapshot (engine/client.py) at
+  scrape time by a custom collector, so a scrape never waits for a step; `config_info` carries the
+  labels of its ModelInfo.
 - Latency histograms (TTFT, inter-token latency, end-to-end, queue time) and finished-request
-  counters are observed as requests progress: this class is the AsyncEngine's listener.
+  counters are observed as requests progress: this class is the EngineClient's listener.
 
 Each app gets its own registry, so several servers can live in one process (tests do this).
 """
 from __future__ import annotations
-
-import json
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -50,12 +49,12 @@ _COUNTERS = [
 
 
 class _EngineCollector:
-    def __init__(self, async_engine, model_name: str) -> None:
-        self.async_engine = async_engine
+    def __init__(self, client, model_name: str) -> None:
+        self.client = client
         self.model_name = model_name
 
     def collect(self):
-        stats = self.async_engine.stats()
+        stats = self.client.stats()
         labels = (["model_name"], [self.model_name])
         for name, doc, attr in _GAUGES:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels[0])
@@ -80,39 +79,20 @@ class _EngineCollector:
         yield c
         g = GaugeMetricFamily(PREFIX + "engine_alive", "1 while the engine loop runs, 0 once it has died.",
                               labels=labels[0])
-        g.add_metric(labels[1], 1.0 if self.async_engine.dead_reason is None else 0.0)
+        g.add_metric(labels[1], 1.0 if self.client.dead_reason is None else 0.0)
         yield g
 
-
     def config_labels(self) -> dict[str, str]:
-        engine = self.async_engine.engine
-        cfg = getattr(engine, "config", None)
-        if cfg is None:
-            return {}
-        labels = {k: str(getattr(cfg, k, "")) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
-                                                       "dtype", "kv_cache_dtype", "quantization")}
-        kv = getattr(getattr(engine, "runner", None), "kv", None)
-        if labels["kv_cache_dtype"] == "auto" and getattr(kv, "dtype", None) is not None:   # what "auto" became (doctor reads it)
-            labels["kv_cache_dtype"] = str(kv.dtype).removeprefix("torch.")
-        bm = getattr(engine, "block_manager", None)
-        if bm is not None:
-            labels["num_kv_blocks"] = str(bm.num_blocks)
-        labels["max_model_len"] = str(getattr(engine, "max_model_len", ""))
-        report = getattr(engine, "kernel_report", None)
-        if report is not None and report.ranges:      # what each linear shape runs, and the measurements behind it
-            labels["linear_plans"] = json.dumps({k: [report.layers.get(k, 1), v] for k, v in report.ranges.items()},
-                                                separators=(",", ":"))
-            labels["kernel_table"] = report.table_path or ""
-        return labels
+        return dict(self.client.info.config_labels)
 
 
 class ServerMetrics:
-    """The registry behind /metrics, and the AsyncEngine listener that fills its histograms."""
+    """The registry behind /metrics, and the EngineClient listener that fills its histograms."""
 
-    def __init__(self, async_engine, model_name: str) -> None:
+    def __init__(self, client, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        self.collector = _EngineCollector(async_engine, model_name)
+        self.collector = _EngineCollector(client, model_name)
         self.registry.register(self.collector)
 
         def hist(name: str, doc: str, buckets: list[float]) -> Histogram:

@@ -3,19 +3,21 @@ target cannot be met, and report predicted and achieved latency and goodput per 
 
     tokenfab serve --slo-ttft-ms 2000 --slo-tpot-ms 200
 
-- The step cost is `plan`'s model (`MeasuredStepCost`), fitted online to this server's own steps by
-  the engine (costmodel/online.py: refitted every REFIT_EVERY steps over the last WINDOW); the
-  scheduler's step-time budget reads the same model. Until MIN_ROWS steps have run nothing is shed.
-- The queue is read in the engine thread at the end of each step (`QueueSnapshot`): interactive
-  prefill tokens still to run, running decodes and their mean context, and the batch prefill chunk a
-  step carries. Requests admitted since that snapshot are added on the event loop.
+- Everything it knows of the engine comes from the EngineClient's `load()` (engine/client.py), a
+  LoadSnapshot the engine builds on its own thread at the end of each step:
+  - the step cost (`MeasuredStepCost`, costmodel/), fitted online to this server's own steps
+    (costmodel/online.py: refitted every REFIT_EVERY steps over the last WINDOW); the scheduler's
+    step-time budget reads the same model. Until MIN_ROWS steps have run nothing is shed;
+  - the queue (`QueueSnapshot`): interactive prefill tokens still to run, running decodes and their
+    mean context, and the batch prefill chunk a step carries (capped by its lane, engine/lanes.py).
+  Requests admitted since that snapshot are added on the event loop.
 - A new interactive request's TTFT is the time of the steps that clear the interactive prefill
   ahead of it and its own prompt, each step also carrying the running interactive decodes. Batch work
   rides in those steps only as far as the scheduler's step-time budget lets it (engine/step_budget.py:
   none, in a step where an interactive prompt waits or prefills); without the budget, each step carries
   every running decode and a full batch prefill chunk.
   Its own prompt counts without the leading full blocks the prefix cache already holds (asked of
-  the block manager at admission), and it cannot start before a sequence slot is free: with
+  the engine client at admission), and it cannot start before a sequence slot is free: with
   `max_num_seqs` interactive sequences running or queued ahead, it waits the decode steps until
   enough running ones reach their max_tokens (a bound: one that stops early frees its slot sooner).
   Batch sequences hold no slot against it (they are preempted for interactive work).
@@ -26,74 +28,22 @@ target cannot be met, and report predicted and achieved latency and goodput per 
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tokenfab.costmodel.measured import MeasuredStepCost
 from tokenfab.costmodel.shape import StepShape
-from tokenfab.engine.lanes import BATCH, INTERACTIVE, SERVICE_CLASSES
+from tokenfab.engine.client import LoadSnapshot, QueueSnapshot
+from tokenfab.engine.lanes import INTERACTIVE, SERVICE_CLASSES
 from tokenfab.server.errors import APIError
+
+__all__ = ["LoadSnapshot", "QueueSnapshot", "SloAdmission", "Listeners", "predict_ttft", "predict_tpot"]
 
 LATENCY_WINDOW = 1000          # requests per class behind the P99 gauges
 MAX_SIMULATED_STEPS = 4096
-SLOT_HORIZON = 64              # running interactive sequences whose remaining steps a snapshot keeps
-
-
-@dataclass(frozen=True, slots=True)
-class QueueSnapshot:
-    time: float = 0.0
-    interactive_prefill: int = 0       # prompt tokens of interactive sequences not yet computed
-    decodes: int = 0                   # running sequences past their prefill (both classes)
-    batch_decodes: int = 0             # of those, batch-class ones
-    mean_context: float = 0.0
-    batch_chunk: int = 0               # batch prefill tokens a step carries (capped by its share)
-    interactive_seqs: int = 0          # interactive sequences running or waiting: each holds or claims a slot
-    max_num_seqs: int | None = None    # the scheduler's sequence cap (None: no cap)
-    slot_free_steps: tuple[int, ...] = ()   # running interactive sequences' tokens left to max_tokens, ascending
-
-    @classmethod
-    def of(cls, scheduler, budget: int) -> "QueueSnapshot":
-        pending, decodes, batch_decodes, ctx, batch_left, inter, left_steps = 0, 0, 0, 0, 0, 0, []
-        running = set(map(id, scheduler.running))
-        for s in list(scheduler.running) + list(scheduler.waiting):
-            left = s.num_tokens - s.num_computed_tokens
-            if s.service_class != BATCH:
-                inter += 1
-                if id(s) in running:
-                    left_steps.append(max(1, s.max_tokens - s.num_output_tokens))
-            if id(s) in running and left <= 1:
-                decodes += 1
-                batch_decodes += s.service_class == BATCH
-                ctx += s.num_computed_tokens
-            elif s.service_class == BATCH:
-                batch_left += left
-            else:
-                pending += left
-        cap = budget if scheduler.batch_prefill_share >= 1 else int(budget * scheduler.batch_prefill_share)
-        return cls(time.monotonic(), pending, decodes, batch_decodes, ctx / decodes if decodes else 0.0,
-                   min(batch_left, cap), inter, scheduler.max_num_seqs, tuple(sorted(left_steps)[:SLOT_HORIZON]))
-
-    def slot_wait_steps(self) -> int:
-        """Decode steps before a new interactive sequence gets a slot under max_num_seqs."""
-        need = self.interactive_seqs + 1 - self.max_num_seqs if self.max_num_seqs else 0
-        if need <= 0:
-            return 0
-        if not self.slot_free_steps:       # slots held by sequences still queued: no estimate, no wait
-            return 0
-        k = min(need, len(self.slot_free_steps))
-        # Beyond the horizon, slots free in waves of the slowest known sequence.
-        return self.slot_free_steps[k - 1] * math.ceil(need / k)
-
-
-def cached_prompt_tokens(block_manager, prompts: list[list[int]], n: int = 1) -> int:
-    """Prompt tokens a prefix-cache hit will skip: each prompt's leading cached full blocks, for each of
-    its n sequences (the first of them registers nothing new before the others are admitted)."""
-    bs = block_manager.block_size
-    return n * sum(len(block_manager.cached_blocks(ids)) * bs for ids in prompts)
 
 
 def predict_ttft(cost, snap: QueueSnapshot, prompt_tokens: int, budget: int, cached_tokens: int = 0,
@@ -149,33 +99,14 @@ def predict_tpot(cost, snap: QueueSnapshot, step_budget=None) -> float:
     return step_budget.bounded_time(cost, firm, fill)
 
 
-class OnlineStepCost:
-    """The engine's step_observer: takes the engine's refitted step model (costmodel/online.py) and
-    snapshots the queue. Runs in the engine thread; `cost` and `snapshot` are replaced whole, so
-    readers never lock."""
-
-    def __init__(self, engine, then=None) -> None:
-        self.engine, self.then = engine, then      # `then`: an observer that was already set (StepLog)
-        self.budget = engine.config.max_num_batched_tokens
-        self.step_budget = engine.scheduler.step_budget     # None with --no-enable-step-time-budget
-        self.cost: MeasuredStepCost | None = None
-        self.snapshot = QueueSnapshot()
-
-    def __call__(self, steps, start: float, end: float, busy: bool) -> None:
-        if self.then is not None:
-            self.then(steps, start, end, busy)
-        if self.engine.step_cost.cost is not None:
-            self.cost = self.engine.step_cost.cost
-        self.snapshot = QueueSnapshot.of(self.engine.scheduler, self.budget)
-
-
 class SloAdmission:
-    """Admission by predicted latency, and the per-class SLO metrics (an AsyncEngine listener)."""
+    """Admission by predicted latency, and the per-class SLO metrics (an EngineClient listener).
+    `load`: the engine's latest LoadSnapshot (EngineClient.load); `budget`: a step's token budget."""
 
-    def __init__(self, online: OnlineStepCost, ttft_s: float | None, tpot_s: float | None) -> None:
-        self.online, self.ttft_s, self.tpot_s = online, ttft_s, tpot_s
+    def __init__(self, load: Callable[[], LoadSnapshot], budget: int, ttft_s: float | None,
+                 tpot_s: float | None) -> None:
+        self.load, self.budget, self.ttft_s, self.tpot_s = load, budget, ttft_s, tpot_s
         self._admitted: deque[tuple[float, int]] = deque()     # interactive (time, prompt tokens) not yet in a snapshot
-        self._lock = threading.Lock()
         self.classes: dict[str, str] = {}                       # engine request id -> service class
         self.predicted = {c: deque(maxlen=LATENCY_WINDOW) for c in SERVICE_CLASSES}
         self.achieved = {c: deque(maxlen=LATENCY_WINDOW) for c in SERVICE_CLASSES}
@@ -184,8 +115,7 @@ class SloAdmission:
         self.shed = 0
         self._first: dict[str, float] = {}
 
-    def _snapshot(self) -> QueueSnapshot:
-        snap = self.online.snapshot
+    def _snapshot(self, snap: QueueSnapshot) -> QueueSnapshot:
         while self._admitted and self._admitted[0][0] <= snap.time:
             self._admitted.popleft()
         extra = sum(n for _, n in self._admitted)
@@ -194,13 +124,13 @@ class SloAdmission:
 
     def admit(self, prompt_tokens: int, service_class: str, cached_tokens: int = 0) -> None:
         """Raise a 429 when an interactive request's target cannot be met; record the prediction.
-        `cached_tokens`: of the prompt tokens, those a prefix-cache hit will skip (cached_prompt_tokens)."""
-        cost = self.online.cost
+        `cached_tokens`: of the prompt tokens, those a prefix-cache hit will skip (EngineClient.cached_prompt_tokens)."""
+        load = self.load()
+        cost, step_budget = load.cost, load.step_budget
         if cost is None:
             return                                              # not calibrated yet: admit
-        snap = self._snapshot()
-        step_budget = getattr(self.online, "step_budget", None)
-        ttft = predict_ttft(cost, snap, prompt_tokens, self.online.budget, cached_tokens, step_budget)
+        snap = self._snapshot(load.queue)
+        ttft = predict_ttft(cost, snap, prompt_tokens, self.budget, cached_tokens, step_budget)
         self.predicted[service_class].append(ttft)
         if service_class == INTERACTIVE:
             why = None
@@ -275,7 +205,7 @@ class SloAdmission:
 
 
 class Listeners:
-    """Several AsyncEngine listeners as one."""
+    """Several EngineClient listeners as one."""
 
     def __init__(self, *listeners) -> None:
         self.listeners = listeners

@@ -1,7 +1,9 @@
-"""ServerState: what every route needs (engine, config, metrics) and the steps they share.
+"""ServerState: what every route needs (engine client, config, metrics) and the steps they share.
 
+The engine is reached only through its EngineClient (engine/client.py): tokenizing, grammar checks,
+requests, and the stats and model info it publishes.
 A generation request goes: parse the body -> check the model -> prompt token ids -> length check ->
-SamplingParams -> `start` (queue in the AsyncEngine, with load shedding) -> stream or `collect`.
+SamplingParams -> `start` (queue in the engine, with load shedding) -> stream or `collect`.
 Each step raises APIError with OpenAI's status and the field at fault; nothing is queued until
 every prompt of the request has passed.
 """
@@ -16,7 +18,9 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from tokenfab.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailed, RequestStream
+from tokenfab.engine.client import EngineClient, EngineDeadError, QueueFullError, RequestFailed
+from tokenfab.engine.lanes import BATCH, service_class_of
+from tokenfab.engine.streams import RequestStream
 from tokenfab.outputs import RequestOutput
 from tokenfab.sampling import SamplingParams
 from tokenfab.server.config import ServerConfig
@@ -33,7 +37,7 @@ class ClientGone(Exception):
 
 @dataclass
 class ServerState:
-    async_engine: AsyncEngine
+    client: EngineClient
     config: ServerConfig
     model_names: list[str]
     metrics: ServerMetrics
@@ -43,8 +47,8 @@ class ServerState:
     _warned_fields: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self.engine = self.async_engine.engine   # read-only here: tokenizer, tokenize(), max_model_len
-        self.tokenizer = self.engine.tokenizer
+        self.info = self.client.info
+        self.tokenizer = self.client.tokenizer
         self.token_text = TokenText(self.tokenizer)
 
     @property
@@ -53,7 +57,11 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
 
     # -- request checks --------------------------------------------------------------------------
     async def parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
@@ -87,8 +95,8 @@ class ServerState:
                            code="model_not_found")
 
     def check_available(self) -> None:
-        if self.async_engine.dead_reason is not None:
-            raise APIError(503, f"the engine has stopped ({self.async_engine.dead_reason}); restart the server",
+        if self.client.dead_reason is not None:
+            raise APIError(503, f"the engine has stopped ({self.client.dead_reason}); restart the server",
                            code="engine_dead")
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
@@ -100,7 +108,7 @@ class ServerState:
 
     def prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
         try:
-            return self.engine.tokenize(prompt)
+            return self.client.tokenize(prompt)
         except ValueError as e:
             raise APIError(400, str(e), param=param, code="invalid_value") from None
 
@@ -132,10 +140,9 @@ class ServerState:
         """The request's service class (engine/lanes.py service_class_of), with its priority checked:
         under FCFS a priority may only pick the batch class (at or above --batch-priority), since there
         is no order within a class to give it."""
-        from tokenfab.engine.lanes import BATCH, service_class_of
         threshold = self.config.batch_priority
         cls = service_class_of(req.service_tier, req.priority, threshold)
-        policy = getattr(getattr(self.engine, "config", None), "scheduling_policy", "fcfs")
+        policy = self.info.scheduling_policy
         picks_class = threshold is not None and req.priority >= threshold
         if req.priority != 0 and policy != "priority" and not picks_class:
             raise APIError(400, "priority needs the server started with --scheduling-policy priority"
@@ -149,9 +156,7 @@ class ServerState:
         """Queue one engine request per prompt (ids `request_id` or `request_id-i`); all or none."""
         self.check_available()
         if self.slo is not None:
-            from tokenfab.server.slo import cached_prompt_tokens
-            cached = 0 if params.prompt_logprobs is not None else \
-                cached_prompt_tokens(self.engine.block_manager, prompts, params.n)
+            cached = 0 if params.prompt_logprobs is not None else self.client.cached_prompt_tokens(prompts, params.n)
             self.slo.admit(sum(map(len, prompts)) * params.n, service_class, cached)
         streams: list[RequestStream] = []
         try:
@@ -159,8 +164,8 @@ class ServerState:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 if self.slo is not None:
                     self.slo.track([rid], service_class)     # before its first token can arrive
-                streams.append(await self.async_engine.add_request(rid, ids, params, priority, arrival_time,
-                                                                   service_class))
+                streams.append(await self.client.add_request(rid, ids, params, priority, arrival_time,
+                                                             service_class))
         except BaseException as e:
             for s in streams:
                 s.abort()

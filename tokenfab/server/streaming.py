@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import StreamingResponse
 
-from tokenfab.engine.async_engine import EngineDeadError, RequestFailed, RequestStream
+from tokenfab.engine.client import EngineDeadError, RequestFailed
+from tokenfab.engine.streams import RequestStream
 from tokenfab.outputs import CompletionOutput, RequestOutput
 from tokenfab.server.errors import error_body
 

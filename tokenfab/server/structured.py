@@ -55,9 +55,10 @@ def requested_structure(req) -> tuple[StructuredOutputParams | None, str | None]
         raise APIError(400, msg, param=field, code="invalid_value") from None
 
 
-async def check_compiles(engine, spec: StructuredOutputParams, param: str) -> None:
-    """Compile `spec` now (off the event loop; the result stays in the engine's cache for add_request)."""
+async def check_compiles(client, spec: StructuredOutputParams, param: str) -> None:
+    """Compile `spec` now (off the event loop; the result stays in the engine's cache for add_request).
+    `client`: the EngineClient (engine/client.py)."""
     try:
-        await asyncio.to_thread(engine.structured.compile, spec)
+        await asyncio.to_thread(client.compile_structured, spec)
     except ValueError as e:
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None

@@ -110,13 +110,13 @@ def plan_tools(req, parser_name: str | None = None) -> ToolPlan | None:
                     req.parallel_tool_calls, parser_for(None, parser_name))
 
 
-async def check_tool_schemas(engine, plan: ToolPlan) -> None:
+async def check_tool_schemas(client, plan: ToolPlan) -> None:
     """Each function's parameter schema must compile (a 400 naming the tool, not a failure later)."""
     from tokenfab.server.structured import check_compiles
     for i, t in enumerate(plan.tools):
         params = t["function"].get("parameters")
         if params:
-            await check_compiles(engine, StructuredOutputParams(json=params), f"tools[{i}].function.parameters")
+            await check_compiles(client, StructuredOutputParams(json=params), f"tools[{i}].function.parameters")
 
 
 def template_supports_tools(tokenizer) -> bool:
@@ -206,9 +206,9 @@ async def chat_constraints(st, req) -> tuple[ToolPlan | None, StructuredOutputPa
                                 "format is already enforced)", param=param, code="invalid_value")
         spec, param = forced, "tools"
     if plan is not None:
-        await check_tool_schemas(st.engine, plan)
+        await check_tool_schemas(st.client, plan)
     if spec is not None:
-        await check_compiles(st.engine, spec, param)
+        await check_compiles(st.client, spec, param)
     return plan, spec
 
 

@@ -51,7 +51,7 @@ class Worker:
                  device: str | None = None, speculative=None):
         """Load this rank's shard of `config.model` (or `loaded`: files already read), size the KV pool
         (rank 0; the other ranks get rank 0's `kv`), build the model and choose its kernels.
-        `speculative`: the parsed speculative config (engine/spec/config.py); a draft model is loaded here."""
+        `speculative`: the parsed speculative config (config.SpeculativeConfig); a draft model is loaded here."""
         self.config, self.rank = config, rank
         self.device = device or config.device
         if config.num_threads:
