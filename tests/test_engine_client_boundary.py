@@ -25,7 +25,7 @@ ALLOWED = {"tokenfab.engine.client", "tokenfab.engine.streams", "tokenfab.engine
 # Where an engine is built and handed over (composition, not use): these may import what they build.
 HOSTS = {"server/app.py": {"tokenfab.engine.async_engine"},        # wraps an LLMEngine in an AsyncEngine
          "server/cli.py": {"tokenfab.engine.engine"},              # `tokenfab serve` loads the model
-         "batch/cli.py": {"tokenfab.engine.engine"},               # `tokenfab batch run` loads the model
+         "server/batch_cli.py": {"tokenfab.engine.engine"},        # `tokenfab batch run` loads the model
          "serve_ray/replica.py": {"tokenfab.engine.async_engine", "tokenfab.engine.engine"}}   # one replica's engine
 
 
