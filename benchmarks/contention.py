@@ -57,7 +57,7 @@ def _busy_loops(n: int):
     for p in procs:
         p.start()
     # measured from 5 s on: in the first ~2 s beside new busy loops the engine got more of the cores than
-    # it does later (2 threads 12.5 ms per step, later 16; on the 2-core EPYC, session 19)
+    # it does later (2 threads 12.5 ms per step, later 16; on a 2-core AMD EPYC Zen 3)
     time.sleep(5)
     return stop, procs
 

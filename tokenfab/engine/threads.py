@@ -33,7 +33,7 @@ the slower count, and one that stayed by noise cost a trial: beside two busy loo
 More threads than cores (`max_over` counts above `max_threads`; the engine passes the core count where
 the C kernels are built): with the decode GEMMs and attention on the C kernels' pool, which never waits for
 a descheduled thread, extra threads are extra claims on the scheduler's time, not extra barriers to
-wait at. On the 2-core EPYC beside two busy loops, held for 128 tokens in steady state (session 19): 2
+wait at. On a 2-core AMD EPYC Zen 3 beside two busy loops, held for 128 tokens in steady state: 2
 threads kept ~0.36 of the quiet speed, 4 threads ~0.58 (busy loops in sessions of their own, each its
 own autogroup: 0.29 and 0.77). A trial then measures the cores and the limit and prefers the limit.
 Counts above the cores go to the pool only (the engine gives torch at most `max_threads`).
@@ -194,7 +194,7 @@ class ThreadController:
         if prefer > self.max_threads and best < prefer:
             # The count above the cores lost, often to a passing phase: the first trial of a contention,
             # in its first second, has kept the cores and the next one, 64 steps later, took twice
-            # them (EPYC, session 21). So the next trial comes sooner: a quarter, then half the hold.
+            # them (measured on an AMD EPYC Zen 3). So the next trial comes sooner: a quarter, then half the hold.
             self._lost += 1
             hold = self.probe_every >> max(0, 3 - self._lost)
         else:

@@ -52,7 +52,7 @@ READABLE_VERSIONS = (1, 2)  # a version-1 table's measurements still hold: it is
 CACHE_GENERATION = 1      # part of the cache file's name: bump when old measurements become wrong
 BUSY_SHARE = 0.25         # other processes took more than this share of the CPUs while a shape was measured:
                           # its times are suspect (a parallel compile made a bf16 float copy look 10 % faster
-                          # than qbf16 and cost the one-call stack 17-64 rows, session 15), so the entry is
+                          # than qbf16 and cost the one-call stack 17-64 rows on an AMX Xeon), so the entry is
                           # flagged and measured again at later loads, keeping each time's minimum
 BUSY_MIN_WALL_S = 0.1     # ... judged only over at least this long (a tick is 10 ms; the bundled model's shapes take 0.2-2.2 s)
 REMEASURE_LOADS = 3       # ... at most this many times, so a machine that is always busy stops paying for it
@@ -330,7 +330,7 @@ def _pick(order: list[str], times: dict[str, float], lossy: set[str] = frozenset
     qmadd) compete on time alone. Nothing rides on keeping the earlier one there, no bytes and no
     identical sums, and the margin was a bias: at 32 rows qmadd measured 6 % faster than qgemm's four
     passes in one table and 17 % in another, so one build ran qgemm there and 32 streams ran ~10 %
-    slower (EPYC, session 19)."""
+    slower (measured on an AMD EPYC Zen 3)."""
     def tie_pick(names):
         best = names[0]
         for k in names[1:]:
