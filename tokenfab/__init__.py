@@ -8,7 +8,7 @@ import os as _os
 # spins (~20 ms at ~140 cycles a PAUSE on Sapphire Rapids). With other processes on the cores a
 # spinning worker burns the time slice its descheduled peer needs to reach the barrier. 20,000 (~1 ms,
 # like Intel OpenMP's KMP_BLOCKTIME=1) made two threads' collapse under two busy loops rarer, at the
-# same quiet speed (docs/serving.md, "Shared cores", with the runs).
+# same quiet speed (docs/serving.md, "Shared cores"; runs in benchmarks/results/contention.md).
 # libgomp reads it once, when torch loads it: set before torch is imported; a value already set wins.
 _os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 

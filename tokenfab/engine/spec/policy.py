@@ -1,4 +1,5 @@
-"""When to speculate and how far: the adaptive policy (docs/speculative.md has the measurements).
+"""When to speculate and how far: the adaptive policy (docs/speculative.md; measured runs in
+benchmarks/results/speculative.md).
 
 The rule, per sequence and step: draft the k in 1..k_max that maximises the expected tokens per unit
 of step cost,
