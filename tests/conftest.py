@@ -1,4 +1,4 @@
-"""Shared fixtures: the bundled model's path and tokenizer, loaded once per session."""
+"""Shared fixtures: the bundled model's path and tokenizer, loaded once per pytest session."""
 import os
 
 import pytest

@@ -1,4 +1,4 @@
-"""`tokenfab batch run`'s core (batch/offline.py) in process, on the session's bundled engine."""
+"""`tokenfab batch run`'s core (batch/offline.py) in process, on the test session's bundled engine."""
 from __future__ import annotations
 
 import hashlib

@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray", reason="Ray Serve is the optional extra tokenfa
 from tokenfab.serve_ray import routing  # noqa: E402
 
 LONG = 200                   # long-pool threshold, in prompt tokens
-# float32 weights, as the session's bundled_llm (the single-process reference, shared with other files)
+# float32 weights, as the test session's bundled_llm (the single-process reference, shared with other files)
 ENGINE = dict(num_kv_blocks=96, max_model_len=1024, max_num_seqs=4, quantization="none")
 
 

@@ -1,6 +1,6 @@
 """The OpenAI API over real HTTP on the bundled model: the official client, bad input, /metrics.
 
-One server per module (uvicorn in a thread on a free port) around the session's bundled engine.
+One server per module (uvicorn in a thread on a free port) around the test session's bundled engine.
 Reference outputs from `LLM.generate` / `LLM.chat` are computed before the server starts, so the
 engine is only ever driven by one thread at a time.
 """
