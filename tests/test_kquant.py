@@ -50,8 +50,8 @@ def test_each_kquant_kernel_matches_gguf_dequantize_then_float_matmul(kind, toke
     for name in ("qgemm", "dequant", "float"):
         layer.kernel = name
         got = layer(x)
-        # Q6_K's qgemm on AVX2 rounds activations to int16 blocks of 32, as qgemm does for int4 / int8 layouts
-        tol = 1e-4 if (name, kind) == ("qgemm", "Q6_K") and kernels.isa() else 1e-5
+        # Q4_K's and Q6_K's qgemm on AVX2 round activations to int16 blocks of 32, as qgemm does for int4 / int8
+        tol = 1e-4 if name == "qgemm" and kind in ("Q4_K", "Q6_K") and "avx2" in kernels.compiled_features() else 1e-5
         torch.testing.assert_close(got, ref, rtol=tol, atol=tol * float(ref.abs().max())), name
 
 
@@ -74,16 +74,19 @@ def test_q4_k_loads_into_int4_blocks_that_decode_to_gguf_floats_bit_for_bit(rows
 
 @needs_c
 @pytest.mark.parametrize("isa", list(kernels.ISA_VARIANTS), indirect=True)
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])                       # a Q4_K_M file's two types
+@pytest.mark.parametrize("kind", ["Q4_K", "Q4_K stored", "Q6_K"])        # a Q4_K_M file's two types
 @pytest.mark.parametrize("out_features,cols", [(64, 2048), (16, 8192)])   # the 1B geometry's input widths
 def test_1b_shaped_kquant_layers_run_every_kernel_against_the_float_reference(out_features, cols, kind, isa):
-    """The layer the loader builds from a file's blocks (Q4_K: int4 blocks; Q6_K: as stored), with each
-    kernel that takes it on this build, at 1-512 tokens."""
+    """The layers the loader builds from a file's blocks (Q4_K: int4 blocks or as stored, `q4_k_as_stored`;
+    Q6_K: as stored), with each kernel that takes them on this build, at 1-512 tokens."""
     from tokenfab.kernels import linear as seam
     from tokenfab.quant.linear import gguf_linear
+    kind, stored = kind.split()[0], kind.endswith("stored")
     raw = random_blocks(kind, out_features, cols, seed=3)
     w = torch.from_numpy(reference_dequantize(raw, kind, out_features, cols)).double()
-    layer = gguf_linear(raw, kind, out_features, cols)
+    layer = gguf_linear(raw, kind, out_features, cols, q4_k_stored=stored)
+    if stored:
+        assert type(layer).__name__ == "Q4_KLinear" and layer.weight_bytes() == out_features * cols * 9 // 16
     ran = []
     for k in seam.registered(layer.weight_format):
         if k.supports(layer) is not None:
@@ -96,6 +99,20 @@ def test_1b_shaped_kquant_layers_run_every_kernel_against_the_float_reference(ou
             err = float((layer(x) - ref).abs().max() / ref.abs().max())
             assert err < (5e-2 if k.lossy else 4e-4), (k.name, tokens, err)
     assert "qgemm" in ran
+
+
+@needs_c
+@pytest.mark.parametrize("tokens", [1, 17, 70])
+def test_qmadd_reads_q4_k_as_stored_to_the_same_bits_as_its_int4_blocks(tokens):
+    """tf_qmadd expands each Q4_K sub-block into what the int4 blocks hold (d * sc, -dmin * mn): the same
+    outputs, bit for bit, at a quarter fewer weight bytes."""
+    from tokenfab.quant.linear import gguf_linear
+    if "avx2" not in kernels.compiled_features():
+        pytest.skip(f"qmadd needs an AVX2 build; this one is {kernels.isa() or 'the portable C loop'}")
+    raw = random_blocks("Q4_K", 48, 2 * QK, seed=tokens)
+    stored, blocks = (gguf_linear(raw, "Q4_K", 48, 2 * QK, q4_k_stored=s) for s in (True, False))
+    x = torch.randn(tokens, 2 * QK, generator=torch.Generator().manual_seed(tokens))
+    assert torch.equal(kernels.qmadd(x, *stored.cpu_layout(), 48), kernels.qmadd(x, *blocks.cpu_layout(), 48))
 
 
 @pytest.mark.parametrize("kind,quantize,max_rel_err", [("Q4_K", quantize_q4_k, 0.12), ("Q6_K", quantize_q6_k, 0.03)])
@@ -222,8 +239,9 @@ def test_engine_on_kquant_layers_gives_the_float_greedy_tokens_batched_and_alone
     llm = LLM(loaded=kquant_files, quantization="gguf", max_model_len=256, num_kv_blocks=64, kernel_autotune=False)
     model = llm.engine.model
     kinds = {type(m).__name__ for m in model.modules()}
-    # q/k Q4_K (loaded as int4 blocks) + v Q6_K: a mixed qkv
-    assert {"Int4BlockLinear", "Q6_KLinear", "ConcatLinear"} <= kinds
+    # q/k Q4_K (as stored or as int4 blocks, as q4_k_as_stored says for this CPU) + v Q6_K: a mixed qkv
+    from tokenfab.quant.linear import q4_k_as_stored
+    assert {"Q4_KLinear" if q4_k_as_stored("cpu") else "Int4BlockLinear", "Q6_KLinear", "ConcatLinear"} <= kinds
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, ConcatLinear) and len(qkv.parts) == 2         # q and k concatenate into one part
     assert type(model.layers[0].mlp.down_proj).__name__ == "Q6_KLinear"

@@ -6,17 +6,20 @@ tokenfab/kernels/csrc/kquant.c beside the decoder, and in the gguf package's num
 tests check the C decoder against block by block). `KQuantLinear` keeps the file's bytes, uint8
 [out, in / 256 * block bytes], and nothing else: no float copy. Its kernels (chosen at load by the
 measured table, tokenfab/kernels/tuning.py):
-- **qgemm**: `tf_qgemm` with ggml's type id as its `bits` (tf_kgemm, csrc/kquant.c): a super-block is
-  expanded into 256 floats once per weight row and dotted with up to 8 float32 activation rows. Also
-  what the one-call decode stack runs.
+- **qgemm**: `tf_qgemm` with ggml's type id as its `bits` (csrc/kquant.c): Q4_K and Q6_K in integers
+  against int16 activation blocks on AVX2 builds (tf_kint), the other types with each super-block
+  expanded into 256 floats once per weight row and dotted with up to 8 float32 activation rows (tf_kgemm).
+  Also what the one-call decode stack runs.
+- **qmadd** (Q4_K): big batches and prefill, each sub-block expanded as an int4 block (csrc/qmadd.c).
 - **qdot** (opt-in, `int8_activations`): Q4_K and Q6_K blocks times int8 activation blocks in integer
   dot products (tf_qdot, csrc/qdot.c): 2.9-3.8x faster than qgemm at 1 row, at KL ~+0.003 (docs/quant.md).
 - **float**: expanded once into a float32 oneDNN copy, where the table says it pays and the memory
   budget allows (counted as a float copy).
 - **dequant**: expanded per call (tf_kdequant), then F.linear.
 
-A GGUF file's Q4_K tensors load as int4 blocks instead (`q4_k_as_int4_blocks` below, `Int4BlockLinear` in
-tokenfab/quant/linear.py): lossless, and run by the int4 kernels. `Q4_KLinear` remains for the `q4_k` scheme.
+A GGUF file's Q4_K tensors load as `Q4_KLinear` on AVX2 CPUs without AMX int8 tiles, and as int4 blocks
+elsewhere (`q4_k_as_int4_blocks` below, `Int4BlockLinear` in tokenfab/quant/linear.py: lossless, 6 bits per
+weight, run by the int4 kernels): `q4_k_as_stored` in tokenfab/quant/linear.py.
 
 `quantize_q4_k` / `quantize_q6_k` write float weights into Q4_K / Q6_K blocks (round to nearest in the
 block layout; gguf's Python package has no K-quant quantizer): the `q4_k` and `q6_k` schemes of

@@ -5,7 +5,8 @@
 - `Int4Linear`: int4 in groups along `in`, asymmetric, optionally with an AWQ input scale
   (schemes "int4-g*", "awq-int4-g*").
 - `Int4BlockLinear`: int4 blocks of 32 in the C kernels' own layout (w = d * q + m). `Q4_0Linear` and
-  `Q4_1Linear` are GGUF's blocks as shipped in it; GGUF's Q4_K loads into it losslessly.
+  `Q4_1Linear` are GGUF's blocks as shipped in it; GGUF's Q4_K loads into it losslessly where
+  its super-blocks are not read as stored (`q4_k_as_stored`).
 - `Q8_0Linear`: GGUF int8 blocks of 32 with one scale each. torch has no int8 kernel with group
   scales, so the packed path splits each int8 q into two nibbles, q = 16 * hi + lo, and runs both
   halves through the int4 kernel at once (scale 16 d for hi, scale d for lo): exact, and 1 byte/weight.
@@ -396,13 +397,27 @@ GGUF_LINEAR_TYPES: dict[str, type[QuantLinear]] = {"Q4_0": Q4_0Linear, "Q4_1": Q
                                                    "Q5_0": Q5_0Linear}
 
 
+def q4_k_as_stored(device: str | torch.device) -> bool:
+    """Whether a GGUF file's Q4_K tensors load as stored (Q4_KLinear, 4.5 bits per weight) rather than as int4
+    blocks (Int4BlockLinear, 6 bits: float32 scale and offset per 32). As stored on the CPU, where the
+    AVX2 kernels read the super-blocks in integers (tf_kint for decode rows, tf_qmadd for big batches) and a
+    decode step streams a quarter fewer bytes; as int4 blocks where AMX int8 tiles are available (their
+    qtile / qbf16 layouts are built from int4 blocks) and on other devices (torch ops dequantize int4 blocks;
+    the K-quant layers dequantize through numpy there)."""
+    from tokenfab import kernels as cpu_kernels
+    if torch.device(device).type != "cpu" or not cpu_kernels.enabled():
+        return False
+    return "avx2" in cpu_kernels.compiled_features() and not cpu_kernels.amx_available()
+
+
 def gguf_linear(data, type_name: str, out_features: int, in_features: int,
-                bias: torch.Tensor | None = None) -> QuantLinear | None:
+                bias: torch.Tensor | None = None, q4_k_stored: bool = False) -> QuantLinear | None:
     """A native layer for a GGUF tensor of type Q4_0 / Q4_1 / Q8_0 / Q2_K..Q6_K, or None for types that must be
     dequantized. `data` is `GGUFReader`'s uint8 [rows, bytes]; rows can be permuted or concatenated
-    (e.g. q, k and v into one fused projection) before the call, since each row's blocks stand alone."""
+    (e.g. q, k and v into one fused projection) before the call, since each row's blocks stand alone.
+    Q4_K loads as int4 blocks unless `q4_k_stored` (see `q4_k_as_stored`)."""
     from tokenfab.quant.kquants import KQUANT_LINEAR_TYPES     # K-quants: Q2_K..Q6_K as stored
-    if type_name == "Q4_K":                                     # Q4_K: the int4 kernels' layout, lossless
+    if type_name == "Q4_K" and not q4_k_stored:                # the int4 kernels' layout, lossless
         return Int4BlockLinear.from_q4_k(data, out_features, in_features, bias)
     cls = GGUF_LINEAR_TYPES.get(type_name) or KQUANT_LINEAR_TYPES.get(type_name)
     return None if cls is None else cls.from_gguf(data, out_features, in_features, bias)

@@ -40,14 +40,17 @@ def resolve_quantization(loaded, quantization: str | None) -> str:
 
 
 def use_gguf_blocks(model, raw: dict[str, tuple[str, np.ndarray]], weights=None,
-                    dtype: torch.dtype | None = None) -> int:
+                    dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> int:
     """Replace each decoder linear whose source tensors are all GGUF blocks of one type by the native
     layer (fused q/k/v and gate/up concatenate their raw rows). Returns how many were replaced.
 
     On a model still on the meta device (build_model does this before loading the float weights, so
     the replaced layers never get float copies), biases come from `weights` and a tied embedding
-    served from the head's blocks computes in `dtype`."""
-    from tokenfab.quant.linear import gguf_linear
+    served from the head's blocks computes in `dtype`. Q4_K tensors load as stored or as int4 blocks as
+    `q4_k_as_stored(device)` says."""
+    from tokenfab.quant.linear import gguf_linear, q4_k_as_stored
+
+    stored = q4_k_as_stored(device)
 
     def bias_of(sources: list[str], linear):
         if linear.bias is None:
@@ -63,9 +66,9 @@ def use_gguf_blocks(model, raw: dict[str, tuple[str, np.ndarray]], weights=None,
         bias = bias_of(sources, linear)
         if len({p[0] for p in parts}) == 1:      # one block type: the rows concatenate into one layer
             data = np.concatenate([p[1] for p in parts], axis=0)
-            layer = gguf_linear(data, parts[0][0], linear.out_features, linear.in_features, bias)
+            layer = gguf_linear(data, parts[0][0], linear.out_features, linear.in_features, bias, stored)
         else:                                    # llama.cpp's mixed files, e.g. Q4_K q/k with a Q6_K v
-            layer = mixed_gguf_linear(parts, linear.in_features, bias)
+            layer = mixed_gguf_linear(parts, linear.in_features, bias, stored)
         if layer is None:
             return False
         owner, attr = holder[linear]
@@ -111,7 +114,8 @@ class ConcatLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
-def mixed_gguf_linear(parts: list[tuple[str, np.ndarray]], in_features: int, bias) -> nn.Module | None:
+def mixed_gguf_linear(parts: list[tuple[str, np.ndarray]], in_features: int, bias,
+                      q4_k_stored: bool = False) -> nn.Module | None:
     """One projection from row blocks of different GGUF types: a single Q8_0-form layer when every part
     decodes to it (Q8_0, Q5_0), else a ConcatLinear of native layers; None if a part has none."""
     from tokenfab.quant.linear import Q8_0Linear, gguf_linear
@@ -123,7 +127,7 @@ def mixed_gguf_linear(parts: list[tuple[str, np.ndarray]], in_features: int, bia
             runs.append((kind, data))
     layers = []
     for kind, data in runs:
-        layer = gguf_linear(data, kind, np.asarray(data).shape[0], in_features)
+        layer = gguf_linear(data, kind, np.asarray(data).shape[0], in_features, q4_k_stored=q4_k_stored)
         if layer is None:
             return None
         layers.append(layer)
@@ -156,7 +160,7 @@ def build_model(loaded, dtype: torch.dtype, device: str, block_size: int, max_po
     else:
         scheme = resolve_quantization(loaded, quantization)
         if scheme == "gguf":       # before the float weights: the layers it replaces never get float copies
-            use_gguf_blocks(model, loaded.gguf_raw, loaded.weights, dtype)
+            use_gguf_blocks(model, loaded.gguf_raw, loaded.weights, dtype, device)
         model.load_hf_weights(loaded.weights, dtype)
         if scheme not in ("none", "gguf"):
             from tokenfab.quant.apply import quantize_model

@@ -168,12 +168,24 @@ static inline const float *tf_block_scales(const float *dn, int64_t G, int64_t b
 /* A little-endian float16 (GGUF's block scales, a qtile layout's float16 scales) as float32. */
 static inline float tf_f16(const uint8_t *p) {
     const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-    const uint32_t e = (h >> 10) & 0x1F, man = h & 0x3FF;
+#if defined(__F16C__)
+    return _cvtsh_ss(h);          /* one instruction: K-quant kernels convert two or three per super-block */
+#else
+    const uint32_t e = (h >> 10) & 0x1F, man = h & 0x3FF, sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t u;
     float f;
-    if (e == 0) f = ldexpf((float)man, -24);                        /* zero, subnormal */
-    else if (e == 31) f = man ? NAN : INFINITY;
-    else f = ldexpf((float)(man | 0x400), (int)e - 25);
-    return (h & 0x8000) ? -f : f;
+    if (e == 0) {                 /* zero, subnormal: man * 2^-24, exact */
+        f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&u, &f, 4);
+        u |= sign;
+    } else if (e == 31) {
+        u = sign | 0x7f800000u | (man << 13);                      /* inf, NaN (payload kept) */
+    } else {
+        u = sign | ((e + 112) << 23) | (man << 13);                /* rebias 15 -> 127 */
+    }
+    memcpy(&f, &u, 4);
+    return f;
+#endif
 }
 
 #if defined(__AVX2__) && defined(__FMA__)

@@ -7,8 +7,8 @@
  *   Q4_K (12), 144 bytes: d, dmin, scales[12] (8 x 6-bit scale + 8 x 6-bit min), qs[128] nibbles
  *   Q5_K (13), 176 bytes: d, dmin, scales[12], qh[32] (fifth bits), qs[128]
  *   Q6_K (14), 210 bytes: ql[128] nibbles, qh[64] 2-bit highs, scales[16] int8, d
- * Q6_K on AVX2 builds runs in integers against int16 activation blocks, as tf_qgemm's int4 / int8 layouts
- * do (tf_q6k below). The other types' activations stay float32: a super-block is expanded into 256 floats
+ * Q4_K and Q6_K on AVX2 builds run in integers against int16 activation blocks, as tf_qgemm's int4 / int8
+ * layouts do (tf_kint below). The other types' activations stay float32: a super-block is expanded into 256 floats
  * on the stack once per weight row and dotted with up to 8 activation rows while it is in L1. */
 #include "common.h"
 
@@ -203,24 +203,98 @@ static inline __attribute__((always_inline)) void tf_kgemm_row(const int M, floa
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* Q6_K in integers, tf_qgemm's way: the activations as int16 per block of 32 (scale max|x| / 32767,
- * tf_quantize_blocks), the weights' 6-bit codes (tf_q6k_codes) minus 32 as int16, and each 16-weight
- * sub-block's dot an exact int32 (vpmaddwd: |w| <= 32, |x| <= 32767) scaled by d * sc (exact in float32)
- * times the block's activation scale. Float expansion (tf_kgemm_row) is compute-bound on AVX2; this reads
- * the blocks about twice as fast. */
-typedef struct {
-    const uint8_t *raw;
-    const int16_t *xq;
-    const float *dx;
-    int64_t M, K;
-} tf_q6k_job;
+/* Q4_K in integers, read as stored (4.5 bits per weight): the activations as tf_qgemm quantizes them
+ * (int16 per block of 32, scale max|x| / 32767), each block reordered once per call to its even inputs
+ * then its odd ones (tf_kint_prep), and their float sums per block. One 32-byte load holds chunk c of a
+ * super-block: sub-block 2c in the low nibbles, 2c + 1 in the high ones, weight l in byte l. Read as 16
+ * words, word j holds weights 2j, 2j + 1 of sub-block 2c (bits 0-3, 8-11) and of 2c + 1 (bits 4-7, 12-15),
+ * so a mask, and shifts and masks, give four int16 vectors in place, no shuffle; two vpmaddwd against the
+ * reordered activations give a sub-block's exact integer dot in 8 lanes. Per sub-block, its scale
+ * d * sc (exact in float32) times the block's activation scale multiplies that dot into the row's
+ * accumulator, and the mins' term, dmin * mn times the block's float sum, is one FMA per super-block
+ * (8 sub-blocks, 8 lanes). The same weight values as gguf's dequantizer, bit for bit, in every product. */
+/* x's int16 blocks (tf_quantize_blocks) reordered: per block, inputs 0, 2, .., 30 then 1, 3, .., 31; and the
+ * float sums of x per block of 32. */
+static void tf_kint_prep(const float *x, int64_t K, int16_t *xq, float *dx, int16_t *xp, float *xs) {
+    tf_quantize_blocks(x, K, xq, dx);
+    for (int64_t b = 0; b < K / 32; b++) {
+        const int16_t *i = xq + b * 32;
+        int16_t *o = xp + b * 32;
+        float s = 0.f;
+        for (int j = 0; j < 16; j++) {
+            o[j] = i[2 * j];
+            o[16 + j] = i[2 * j + 1];
+        }
+        for (int j = 0; j < 32; j++) s += x[b * 32 + j];
+        xs[b] = s;
+    }
+}
 
-static inline __attribute__((always_inline)) void tf_q6k_row(const int M, float *out, const int16_t *xq,
-                                                            const float *dx, int64_t K, const uint8_t *row) {
+/* A Q4_K super-block's 8 six-bit scales (bytes 0-7 of *sc) and mins (*mn), from its 12 packed bytes in six
+ * 32-bit operations: bytes 0-3 hold scales 0-3 and (bits 6-7) the high bits of scales 4-7, bytes 4-7 the same
+ * for the mins, bytes 8-11 the low nibbles of scales 4-7 and (high nibbles) of mins 4-7 (tf_scale_min_k4). */
+static inline __attribute__((always_inline)) void tf_q4k_scales(const uint8_t *p, uint64_t *sc, uint64_t *mn) {
+    uint32_t a, b, c;
+    memcpy(&a, p, 4);
+    memcpy(&b, p + 4, 4);
+    memcpy(&c, p + 8, 4);
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, hi = 0x30303030u;
+    *sc = (uint64_t)(a & m6) | (uint64_t)((c & m4) | ((a >> 2) & hi)) << 32;
+    *mn = (uint64_t)(b & m6) | (uint64_t)(((c >> 4) & m4) | ((b >> 2) & hi)) << 32;
+}
+
+static inline __attribute__((always_inline)) void tf_q4k_row(const int M, float *out, const int16_t *xp,
+                                                            const float *dx, const float *xs, int64_t K,
+                                                            const uint8_t *row) {
     const int64_t nsb = K / 256, nb = K / 32;
-    const __m256i off = _mm256_set1_epi16(32);
-    __m256 acc[TF_MAX_ROWS];
-    for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i lo = _mm256_set1_epi16(0x000F);
+    const int H = M <= 4;           /* sub-blocks 2c and 2c + 1 on two FMA chains per row, while they fit in registers */
+    __m256 acc[TF_MAX_ROWS][2];
+    for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *blk = row + s * 144;
+        uint64_t sc, mn;
+        tf_q4k_scales(blk + 4, &sc, &mn);
+        const __m256 scv = _mm256_mul_ps(_mm256_set1_ps(tf_f16(blk)),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc))));
+        const __m256 mnv = _mm256_mul_ps(_mm256_set1_ps(tf_f16(blk + 2)),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mn))));
+        float sx[TF_MAX_ROWS][8] __attribute__((aligned(32)));
+        for (int r = 0; r < M; r++) {
+            _mm256_store_ps(sx[r], _mm256_mul_ps(scv, _mm256_loadu_ps(dx + r * nb + s * 8)));
+            acc[r][H] = _mm256_fnmadd_ps(mnv, _mm256_loadu_ps(xs + r * nb + s * 8), acc[r][H]);
+        }
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + c * 32));
+            const __m256i w0 = _mm256_and_si256(v, lo), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 8), lo);
+            const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo), w3 = _mm256_srli_epi16(v, 12);
+            for (int r = 0; r < M; r++) {
+                const __m256i *xr = (const __m256i *)(xp + r * K + s * 256 + c * 64);
+                const __m256i plo = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xr)),
+                                                     _mm256_madd_epi16(w1, _mm256_loadu_si256(xr + 1)));
+                const __m256i phi = _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_loadu_si256(xr + 2)),
+                                                     _mm256_madd_epi16(w3, _mm256_loadu_si256(xr + 3)));
+                acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_broadcast_ss(sx[r] + 2 * c), acc[r][0]);
+                acc[r][H] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), _mm256_broadcast_ss(sx[r] + 2 * c + 1), acc[r][H]);
+            }
+        }
+    }
+    for (int r = 0; r < M; r++) out[r] = tf_hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+/* Q6_K the same way (6.5625 bits per weight): per half of 128, tf_q6k_codes gives 32 six-bit codes in
+ * bytes; as 16 words, a mask and a shift give the even and the odd inputs' codes as int16, minus 32, and two
+ * vpmaddwd against the reordered activations give block (s, h, j)'s dot, its first 16 weights in lanes 0-3
+ * and the rest in lanes 4-7, which take the scales d * sc of their 16 (exact in float32). */
+static inline __attribute__((always_inline)) void tf_q6k_row(const int M, float *out, const int16_t *xp,
+                                                            const float *dx, const float *xs, int64_t K,
+                                                            const uint8_t *row) {
+    (void)xs;
+    const int64_t nsb = K / 256, nb = K / 32;
+    const __m256i lo = _mm256_set1_epi16(0x00FF), off = _mm256_set1_epi16(32);
+    const int H = M <= 4;           /* two FMA chains per row while they fit in registers */
+    __m256 acc[TF_MAX_ROWS][2];
+    for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *blk = row + s * 210;
         const int8_t *sc = (const int8_t *)(blk + 192);
@@ -229,48 +303,60 @@ static inline __attribute__((always_inline)) void tf_q6k_row(const int M, float 
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
             for (int j = 0; j < 4; j++) {
                 const __m256i u = tf_q6k_codes(blk, qh, h, j);
-                const __m256i wa = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(u)), off);
-                const __m256i wb = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1)), off);
-                const float sa = d * (float)sc[h * 8 + 2 * j], sb = d * (float)sc[h * 8 + 2 * j + 1];
+                const __m256i we = _mm256_sub_epi16(_mm256_and_si256(u, lo), off);
+                const __m256i wo = _mm256_sub_epi16(_mm256_srli_epi16(u, 8), off);
+                const __m256 ws = _mm256_set_m128(_mm_set1_ps(d * (float)sc[h * 8 + 2 * j + 1]),
+                                                  _mm_set1_ps(d * (float)sc[h * 8 + 2 * j]));
                 const int64_t b = s * 8 + h * 4 + j;
                 for (int r = 0; r < M; r++) {
-                    const __m256i *xr = (const __m256i *)(xq + r * K + b * 32);
-                    const float e = dx[r * nb + b];
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(wa, _mm256_loadu_si256(xr))),
-                                             _mm256_set1_ps(sa * e), acc[r]);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(wb, _mm256_loadu_si256(xr + 1))),
-                                             _mm256_set1_ps(sb * e), acc[r]);
+                    const __m256i *xr = (const __m256i *)(xp + r * K + b * 32);
+                    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(we, _mm256_loadu_si256(xr)),
+                                                       _mm256_madd_epi16(wo, _mm256_loadu_si256(xr + 1)));
+                    acc[r][j & H] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                                                    _mm256_mul_ps(ws, _mm256_broadcast_ss(dx + r * nb + b)),
+                                                    acc[r][j & H]);
                 }
             }
         }
     }
-    for (int r = 0; r < M; r++) out[r] = tf_hsum(acc[r]);
+    for (int r = 0; r < M; r++) out[r] = tf_hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
-static void tf_q6k_cols(const void *job, int64_t n0, int64_t n1, float *y, int64_t ys) {
-    const tf_q6k_job *J = (const tf_q6k_job *)job;
-    const int64_t M = J->M, row_bytes = J->K / 256 * 210;
+typedef struct {
+    const uint8_t *raw;
+    const int16_t *xp;
+    const float *dx, *xs;
+    int64_t M, K, type;
+} tf_kint_job;
+
+static void tf_kint_cols(const void *job, int64_t n0, int64_t n1, float *y, int64_t ys) {
+    const tf_kint_job *J = (const tf_kint_job *)job;
+    const int64_t M = J->M, row_bytes = J->K / 256 * tf_kquant_block_bytes(J->type);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = J->raw + n * row_bytes;
         /* 4 rows ahead, as tf_qgemm_cols: short rows do not keep the hardware prefetchers ahead */
         for (int64_t l = 0; l < row_bytes; l += 64) __builtin_prefetch(row + 4 * row_bytes + l, 0, 3);
         float out[TF_MAX_ROWS];
-        TF_ROWS_SWITCH(tf_q6k_row, out, J->xq, J->dx, J->K, row)
+        if (J->type == TF_Q4_K) {
+            TF_ROWS_SWITCH(tf_q4k_row, out, J->xp, J->dx, J->xs, J->K, row)
+        } else {
+            TF_ROWS_SWITCH(tf_q6k_row, out, J->xp, J->dx, J->xs, J->K, row)
+        }
         for (int64_t r = 0; r < M; r++) y[r * ys + n - n0] = out[r];
     }
 }
 
-/* y[M <= TF_MAX_ROWS, N] = x @ W^T for a Q6_K W, on the decode GEMMs' pool (tf_cols). */
-static void tf_q6k(float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *raw) {
+/* y[M <= TF_MAX_ROWS, N] = x @ W^T for a Q4_K or Q6_K W, in integers, on the decode GEMMs' pool (tf_cols). */
+static void tf_kint(float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *raw, int64_t type) {
     const int64_t nb = K / 32;
-    /* the activations' copies live in this thread's scratch, never freed (tf_cols: a late worker may read them) */
-    const size_t nxq = (size_t)(M * K) * sizeof(int16_t);
-    char *buf = (char *)tf_scratch(TF_UP64(nxq) + (size_t)(M * nb) * sizeof(float));
-    int16_t *xq = (int16_t *)buf;
-    float *dx = (float *)(buf + TF_UP64(nxq));
-    for (int64_t r = 0; r < M; r++) tf_quantize_blocks(x + r * K, K, xq + r * K, dx + r * nb);
-    const tf_q6k_job job = {raw, xq, dx, M, K};
-    tf_cols(tf_q6k_cols, &job, sizeof job, M, N, y);
+    const size_t nxq = (size_t)(M * K) * sizeof(int16_t), nf = (size_t)(M * nb) * sizeof(float);
+    /* this thread's scratch, never freed (tf_cols: a late worker may read it) */
+    char *buf = (char *)tf_scratch(2 * TF_UP64(nxq) + 2 * TF_UP64(nf));
+    int16_t *xq = (int16_t *)buf, *xp = (int16_t *)(buf + TF_UP64(nxq));
+    float *dx = (float *)(buf + 2 * TF_UP64(nxq)), *xs = (float *)(buf + 2 * TF_UP64(nxq) + TF_UP64(nf));
+    for (int64_t r = 0; r < M; r++) tf_kint_prep(x + r * K, K, xq + r * K, dx + r * nb, xp + r * K, xs + r * nb);
+    const tf_kint_job job = {raw, xp, dx, xs, M, K, type};
+    tf_cols(tf_kint_cols, &job, sizeof job, M, N, y);
 }
 #endif
 
@@ -282,8 +368,8 @@ void tf_kgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const u
         return;
     }
 #if defined(__AVX2__) && defined(__FMA__)
-    if (type == TF_Q6_K) {
-        tf_q6k(y, x, M, K, N, raw);
+    if (type == TF_Q4_K || type == TF_Q6_K) {
+        tf_kint(y, x, M, K, N, raw, type);
         return;
     }
 #endif

@@ -1,6 +1,7 @@
 /* ---------------------------------------------------------------------------------------------------------
  * tf_qmadd: big batches and prefill chunks (17+ rows) on tf_qgemm's own layout, without AMX or VNNI (kernel
- * "qmadd", tokenfab/quant/kernels.py). tf_qgemm puts a block's 32 inputs in the lanes, so every row and
+ * "qmadd", tokenfab/quant/kernels.py); GGUF's Q4_K super-blocks too (bits TF_Q4_K: each sub-block of 32
+ * expands as an int4 block with scale d * sc and offset -dmin * mn). tf_qgemm puts a block's 32 inputs in the lanes, so every row and
  * output pays a convert, a scale broadcast and an FMA per block and a horizontal sum at the end: ~3.5
  * cycles per block and row, about what a float32 FMA GEMM costs, so above 16 rows the table took the
  * 4-byte float copy. Here the lanes are outputs: each thread expands its outputs' weights, 16 at a time,
@@ -41,9 +42,20 @@ static inline __attribute__((always_inline)) void tf_transpose8_epi32(__m256i r[
 /* Outputs n0 .. n0 + 16 np - 1 expanded for tf_qmadd_tile: per 16 outputs, per block, 16 input pairs of
  * two 8-output halves (int16 [2][8][2] each: 1 KB), then per block the 16 scales, then (int4) per group the
  * 16 offsets. `stride` int16 per 16 outputs. */
+/* Block b of a Q4_K row (sub-block b % 8 of super-block b / 8) as tf_load_weights gives an int4 block:
+ * w[0] weights 0..15, w[1] 16..31, widened to int16. */
+static inline __attribute__((always_inline)) void tf_load_q4k(const uint8_t *row, int64_t b, __m256i w[2]) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const uint8_t *qs = row + (b >> 3) * 144 + 16 + ((b & 7) >> 1) * 32;
+    const int shift = 4 * (int)(b & 1);
+    const __m128i a = _mm_loadu_si128((const __m128i *)qs), c = _mm_loadu_si128((const __m128i *)(qs + 16));
+    w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(a, shift), m4));
+    w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(c, shift), m4));
+}
+
 static void tf_qmadd_expand(int16_t *buf, int64_t stride, const void *q, const float *d, const float *m,
                             int64_t n0, int64_t np, int64_t nb, int64_t G, int64_t bpg, int64_t bits) {
-    const int64_t row_bytes = bits == 4 ? nb * 16 : nb * 32;
+    const int64_t row_bytes = bits == TF_Q4_K ? nb / 8 * 144 : bits == 4 ? nb * 16 : nb * 32;
     for (int64_t p = 0; p < np; p++) {
         int16_t *w = buf + p * stride;
         float *sc = (float *)(w + nb * 512), *mo = sc + nb * 16;
@@ -56,7 +68,11 @@ static void tf_qmadd_expand(int16_t *buf, int64_t stride, const void *q, const f
                 __m256i lo[8], hi[8];
                 for (int o = 0; o < 8; o++) {
                     __m256i v[2];
-                    tf_load_weights((const uint8_t *)q + (n0 + 16 * p + 8 * h + o) * row_bytes, b, bits, v);
+                    const uint8_t *row = (const uint8_t *)q + (n0 + 16 * p + 8 * h + o) * row_bytes;
+                    if (bits == TF_Q4_K)
+                        tf_load_q4k(row, b, v);
+                    else
+                        tf_load_weights(row, b, bits, v);
                     lo[o] = v[0];                 /* input pairs 0..7 */
                     hi[o] = v[1];                 /* input pairs 8..15 */
                 }
@@ -67,6 +83,21 @@ static void tf_qmadd_expand(int16_t *buf, int64_t stride, const void *q, const f
                     _mm256_store_si256((__m256i *)(w + b * 512 + (8 + i) * 32 + h * 16), hi[i]);
                 }
             }
+        if (bits == TF_Q4_K)      /* per sub-block: scale d * sc, offset -dmin * mn (both exact in float32) */
+            for (int64_t o = 0; o < 16; o++) {
+                const uint8_t *row = (const uint8_t *)q + (n0 + 16 * p + o) * row_bytes;
+                for (int64_t s = 0; s < nb / 8; s++) {
+                    const uint8_t *blk = row + s * 144;
+                    uint8_t scl[8], mn[8];
+                    tf_scale_min_k4(blk + 4, scl, mn);
+                    const float dd = tf_f16(blk), dmin = tf_f16(blk + 2);
+                    for (int j = 0; j < 8; j++) {
+                        sc[(s * 8 + j) * 16 + o] = dd * (float)scl[j];
+                        mo[(s * 8 + j) * 16 + o] = -(dmin * (float)mn[j]);
+                    }
+                }
+            }
+        else
         for (int64_t o = 0; o < 16; o++) {
             const float *dn = d + (n0 + 16 * p + o) * G;
             for (int64_t b = 0; b < nb; b++) sc[b * 16 + o] = dn[b / bpg];
@@ -106,7 +137,7 @@ static inline __attribute__((always_inline)) void tf_qmadd_tile(const int R, flo
             acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][1]), _mm256_mul_ps(s1, f), acc[r][1]);
         }
     }
-    if (bits == 4)
+    if (bits == 4 || bits == TF_Q4_K)
         for (int64_t g = 0; g < G; g++) {
             const __m256 m0 = _mm256_loadu_ps(mo + g * 16), m1 = _mm256_loadu_ps(mo + g * 16 + 8);
             for (int r = 0; r < R; r++) {
@@ -125,19 +156,20 @@ static inline __attribute__((always_inline)) void tf_qmadd_tile(const int R, flo
 void tf_qmadd(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const float *d,
               const float *m, int64_t gs, int64_t bits) {
 #if defined(__AVX2__) && defined(__FMA__)
-    const int64_t G = K / gs, nb = K / 32, bpg = gs / 32, units = N / 16;
+    if (bits == TF_Q4_K) gs = 32;         /* a Q4_K sub-block: one scale and one offset per 32 */
+    const int64_t G = K / gs, nb = K / 32, bpg = gs / 32, units = N / 16, offsets = bits == 4 || bits == TF_Q4_K;
     int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
     float *xs = (float *)calloc((size_t)(M * G + 1), sizeof(float));
 #pragma omp parallel for schedule(static) if (M >= 8)
     for (int64_t r = 0; r < M; r++) {     /* as tf_qgemm: the same integers, the same float sums of x */
         tf_quantize_blocks(x + r * K, K, xq + r * K, dx + r * nb);
-        if (bits == 4)
+        if (offsets)
             for (int64_t g = 0; g < G; g++)
                 for (int64_t k = g * gs; k < (g + 1) * gs; k++) xs[r * G + g] += x[r * K + k];
     }
     /* per 16 outputs: weights, scales, offsets; a multiple of 16 int16 keeps every unit 32-byte aligned */
-    const int64_t stride = (nb * 512 + (nb * 16 + (bits == 4 ? G * 16 : 0)) * 2 + 15) / 16 * 16;
+    const int64_t stride = (nb * 512 + (nb * 16 + (offsets ? G * 16 : 0)) * 2 + 15) / 16 * 16;
     int64_t per = TF_QMADD_BLOCK / (stride * 2);
     if (per < 1) per = 1;
 #pragma omp parallel
