@@ -42,6 +42,19 @@ TINY_CONFIGS = {
                   tie_word_embeddings=True),
     "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, sliding_window=None),
+    # scaled RoPE, with an original context of 64 so that prompts of 40-90 tokens cross it and the tiny
+    # head's frequencies fall on both sides of each threshold (model/rope.py)
+    "llama3-rope": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                                             high_freq_factor=4.0, original_max_position_embeddings=64)),
+    "qwen2-yarn": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                       rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=4.0,
+                                            original_max_position_embeddings=64)),
+    "llama-linear-rope": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                              rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
 }
 
 
@@ -60,7 +73,7 @@ def make_tiny_model(kind: str, folder: str, tokenizer, seed: int = 0):
                                eos_token_id=tokenizer.eos_token_id, **kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    if kind == "qwen2":  # exercise the QKV bias path with non-zero biases
+    if model_type == "qwen2":  # exercise the QKV bias path with non-zero biases
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

@@ -184,6 +184,7 @@ def cmd_info(args) -> int:
         "layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
         "context_length": cfg.max_position_embeddings, "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling and {k: v for k, v in cfg.rope_scaling.items() if k != "factors"},
         "tied_embeddings": cfg.tie_word_embeddings, "file_tensor_types": files.file_dtypes,
         "kv_bytes_per_token": kv_bytes,
         # what a --kv-cache-memory-bytes of 1 GiB holds (the engine sizes its block pool the same way)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenfab.model import rope as rope_scalings
+
 # Architectures the decoder in llama.py runs, by HF `model_type` / GGUF `general.architecture`.
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 GEMMA3_SLIDING_PATTERN = 6      # every 6th layer global, the rest sliding (HF's default, llama.cpp's constant)
@@ -25,6 +27,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None         # model/rope.py: None (default RoPE) or {"rope_type": ..., ...}
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
@@ -92,9 +95,7 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"unsupported rope scaling {rope_type!r} (only the default RoPE is implemented)")
+        max_pos = cfg.get("max_position_embeddings", 2048)
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         return cls(
@@ -107,8 +108,9 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_scaling=rope_scalings.normalize(rope, max_pos),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch == "qwen3",
@@ -124,10 +126,9 @@ class ModelConfig:
             glob, local = rope["full_attention"], rope.get("sliding_attention", {})
         else:
             glob, local = rope, {}
-        for r in (glob, local):
-            if r.get("rope_type", r.get("type", "default")) not in ("default", None):
-                raise ValueError(f"unsupported rope scaling {r.get('rope_type', r.get('type'))!r} "
-                                 "(only the default RoPE is implemented)")
+        if rope_scalings.normalize(local, 0) is not None:
+            raise ValueError(f"unsupported rope scaling {local.get('rope_type', local.get('type'))!r} on Gemma 3's "
+                             "sliding layers (its global layers take one)")
         for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
             if cfg.get(cap):
                 raise ValueError(f"unsupported {cap}={cfg[cap]} (Gemma 3 has none)")
@@ -137,4 +138,5 @@ class ModelConfig:
                        local.get("rope_theta", cfg.get("rope_local_base_freq", GEMMA3_LOCAL_ROPE_THETA)),
                        cfg.get("query_pre_attn_scalar"), cfg.get("hidden_activation") or "gelu_pytorch_tanh")
         out.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
+        out.rope_scaling = rope_scalings.normalize(glob, out.max_position_embeddings)   # 4B and up: linear, global layers
         return out

@@ -11,6 +11,7 @@ from torch import nn
 
 from tokenfab import kernels
 from tokenfab.kernels.linear import KernelLinear, onednn_linear, onednn_pack, onednn_supported  # noqa: F401
+from tokenfab.model.rope import inverse_frequencies
 
 
 class RMSNorm(nn.Module):
@@ -53,13 +54,16 @@ class RotaryEmbedding(nn.Module):
     equals roll(x, half) * [-sin | sin] exactly (only signs move), which is one op instead of four.
     """
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int):
+    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: dict | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq, attn = inverse_frequencies(head_dim, theta, scaling)      # model/rope.py
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.half = head_dim // 2
-        self.register_buffer("cos", torch.cat((freqs, freqs), dim=-1).cos(), persistent=False)
-        self.register_buffer("sin_signed", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+        cos, sin = torch.cat((freqs, freqs), dim=-1).cos(), freqs.sin()
+        if attn != 1.0:                      # YaRN scales cos and sin (so q . k by attn ** 2)
+            cos, sin = cos * attn, sin * attn
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin_signed", torch.cat((-sin, sin), dim=-1), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, D] cos and signed sin for these positions, broadcastable over heads."""

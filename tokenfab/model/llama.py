@@ -114,11 +114,13 @@ class LlamaModel(nn.Module):
         self.attention_backend = None      # chosen once at load: set_attention_backend
 
     def make_ropes(self, max_positions: int) -> None:
-        """RoPE tables for every position: one base, or (Gemma 3) a second one for the sliding layers."""
+        """RoPE tables for every position: one base (scaled as `rope_scaling` says), or (Gemma 3) a second,
+        unscaled one for the sliding layers."""
         cfg = self.config
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions, cfg.rope_scaling)
         self.rope_local = (RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta, max_positions)
-                           if cfg.rope_local_theta and cfg.rope_local_theta != cfg.rope_theta else None)
+                           if cfg.rope_local_theta and (cfg.rope_local_theta != cfg.rope_theta or cfg.rope_scaling)
+                           else None)
 
     def set_attention_backend(self, backend) -> None:
         """Install an AttentionBackend (model/backends.py) in every layer, once, at load."""

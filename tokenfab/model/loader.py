@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from tokenfab.model.bundled import resolve_model_path
+from tokenfab.model import rope as rope_scalings
 from tokenfab.model.config import GEMMA3_LOCAL_ROPE_THETA, SUPPORTED_ARCHS, ModelConfig
 from tokenfab.model.tokenizer import load_tokenizer
 
@@ -177,9 +178,44 @@ def gguf_config(reader, path: str) -> ModelConfig:
         )
         if arch == "gemma3":     # llama.cpp's constants: the pattern, the local base, head_dim ** -0.5
             cfg.use_gemma3(field("gemma3.attention.sliding_window"), None, GEMMA3_LOCAL_ROPE_THETA, None)
+        cfg.rope_scaling = _gguf_rope_scaling(reader, field, arch, cfg, path)
         return cfg
     except (TypeError, KeyError) as e:
         raise ModelLoadError(f"{path}: GGUF metadata is missing a required field ({e})") from None
+
+
+def _gguf_rope_scaling(reader, field, arch: str, cfg: ModelConfig, path: str) -> dict | None:
+    """RoPE scaling as llama.cpp's converter writes it: Llama 3.x's as per-frequency divisors (the tensor
+    `rope_freqs.weight`), linear and YaRN as `{arch}.rope.scaling.*` metadata (model/rope.py)."""
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        return rope_scalings.normalize({"rope_type": "freq_factors",
+                                        "factors": [float(v) for v in np.asarray(freqs.data).reshape(-1)]}, 0)
+    kind = field(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ModelLoadError(f"{path}: unsupported rope scaling {kind!r}; supported: linear, yarn, and Llama 3's "
+                             "rope_freqs tensor")
+    factor = field(f"{arch}.rope.scaling.factor")
+    if factor is None:                      # older files: the scale as a divisor of positions
+        scale = field(f"{arch}.rope.scale_linear")
+        factor = 1.0 / float(scale) if scale else None
+    s = {"rope_type": kind, "factor": None if factor is None else float(factor)}
+    if kind == "yarn":
+        orig = field(f"{arch}.rope.scaling.original_context_length")
+        s["original_max_position_embeddings"] = int(orig) if orig else cfg.max_position_embeddings
+        for key, name in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            v = field(f"{arch}.rope.scaling.{name}")
+            if v is not None:
+                s[key] = float(v)
+        attn = field(f"{arch}.rope.scaling.attn_factor")   # llama.cpp multiplies YaRN's own 0.1 ln(factor) + 1 by it
+        if attn is not None and float(attn) != 1.0 and s["factor"]:
+            s["attention_factor"] = float(attn) * rope_scalings.yarn_mscale(s["factor"])
+    try:
+        return rope_scalings.normalize(s, cfg.max_position_embeddings)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
 
 
 # Run as shipped with quantization="gguf" (tokenfab/quant: Q5_0 widened into Q8_0's form, K-quants as stored).
@@ -200,7 +236,7 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
         try:
             hf = gguf_name_to_hf(t.name, cfg.arch)
         except KeyError:
-            continue  # e.g. rope_freqs: derived from the config instead
+            continue  # e.g. rope_freqs: read into the config's rope_scaling (_gguf_rope_scaling)
         qtype = t.tensor_type
         if qtype.name not in READABLE_GGUF_TYPES:
             raise ModelLoadError(f"{path}: tensor {t.name} has quantization type {qtype.name}, which tokenfab "

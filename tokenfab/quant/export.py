@@ -37,6 +37,7 @@ def hf_config_dict(cfg) -> dict:
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
         "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
         "rms_norm_eps": cfg.rms_norm_eps,
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
