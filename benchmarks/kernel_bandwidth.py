@@ -8,8 +8,9 @@ GB/s over the machine's is the share of the bandwidth limit a decode step can re
     python benchmarks/kernel_bandwidth.py                          # llama-3.2-1b, every type
     python benchmarks/kernel_bandwidth.py --geometry llama-3.2-3b --types Q4_K,Q4_0 --kernel qdot
 
-"Q4_K stored" is the file's Q4_K super-blocks run as stored (tf_kgemm, float expansion); "Q4_K" is
-what the loader builds from them (int4 blocks in tf_qgemm's layout, tokenfab/quant/linear.py).
+"Q4_K stored" and "Q4_0 stored" are the file's blocks held as stored (what the loader builds on AVX2 CPUs
+without AMX int8 tiles, `blocks_as_stored` in tokenfab/quant/linear.py); "Q4_K" and "Q4_0" are the int4
+blocks in tf_qgemm's layout it builds elsewhere. The other types load one way.
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ import torch
 from tokenfab import kernels
 from tokenfab.kernels import linear as seam
 from tokenfab.plan.probe import ProbeSettings, measure_bandwidth
-from tokenfab.quant.kquants import KQUANT_LINEAR_TYPES
 from tokenfab.quant.linear import gguf_linear
 
 # hidden, q heads, kv heads, head dim, FFN width
@@ -65,7 +65,7 @@ def best_time(fn, runs: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--geometry", default="llama-3.2-1b", choices=sorted(GEOMETRIES))
-    ap.add_argument("--types", default="Q4_K stored,Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,Q4_1")
+    ap.add_argument("--types", default="Q4_K stored,Q4_K,Q5_K,Q6_K,Q8_0,Q4_0 stored,Q4_0,Q4_1")
     ap.add_argument("--kernel", default="qgemm", help="the linear kernel forced on every layer")
     ap.add_argument("--rows", type=int, default=1, help="activation rows (decode streams)")
     ap.add_argument("--runs", type=int, default=10)
@@ -88,8 +88,7 @@ def main() -> None:
         while file_bytes < args.min_mb * 1e6:      # several layers' copies: a step streams from memory, not cache
             for _, out_f, in_f in layer_shapes(args.geometry):
                 raw = random_blocks(base, out_f, in_f, rng)
-                layers.append(KQUANT_LINEAR_TYPES[base].from_gguf(raw, out_f, in_f) if kind.endswith("stored")
-                              else gguf_linear(raw, base, out_f, in_f))
+                layers.append(gguf_linear(raw, base, out_f, in_f, as_stored=kind.endswith("stored")))
                 file_bytes += raw.nbytes
             copies += 1
         why = seam.get(args.kernel).supports(layers[0])

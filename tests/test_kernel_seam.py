@@ -2,6 +2,7 @@
 choices, and greedy output with each attention backend and linear kernel forced."""
 import os
 
+import gguf
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,7 @@ from tokenfab.kernels.select import select_kernels
 from tokenfab.kernels.tuning import KernelTable
 from tokenfab.model.layers import FloatLinear
 from tokenfab.quant.kquants import KQUANT_LINEAR_TYPES, quantize_q4_k
-from tokenfab.quant.linear import Int4BlockLinear, Int4Linear, Int8Linear, Q8_0Linear, W8A8Linear
+from tokenfab.quant.linear import Int4BlockLinear, Int4Linear, Int8Linear, Q4_0BlocksLinear, Q8_0Linear, W8A8Linear
 
 ROWS = (1, 7, 16, 17, 64, 512)
 
@@ -32,8 +33,10 @@ def _layers():
         # K-quant super-blocks are 256 wide (the other K-quant types: tests/test_kquant.py, from random blocks)
         "q4_k": KQUANT_LINEAR_TYPES["Q4_K"].from_float(w[:, :512]),
         "q6_k": KQUANT_LINEAR_TYPES["Q6_K"].from_float(w[:, :512]),
-        # a GGUF Q4_K tensor as the loader builds it: int4 blocks in the C kernels' layout
+        # a GGUF Q4_K tensor as the loader builds it where AMX runs: int4 blocks in the C kernels' layout
         "q4_k-int4": Int4BlockLinear.from_q4_k(quantize_q4_k(w[:, :512].numpy()), 96, 512),
+        # GGUF Q4_0 blocks as stored
+        "q4_0": Q4_0BlocksLinear.from_gguf(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0), 96, 576),
     }
 
 

@@ -77,14 +77,14 @@ def test_q4_k_loads_into_int4_blocks_that_decode_to_gguf_floats_bit_for_bit(rows
 @pytest.mark.parametrize("kind", ["Q4_K", "Q4_K stored", "Q6_K"])        # a Q4_K_M file's two types
 @pytest.mark.parametrize("out_features,cols", [(64, 2048), (16, 8192)])   # the 1B geometry's input widths
 def test_1b_shaped_kquant_layers_run_every_kernel_against_the_float_reference(out_features, cols, kind, isa):
-    """The layers the loader builds from a file's blocks (Q4_K: int4 blocks or as stored, `q4_k_as_stored`;
+    """The layers the loader builds from a file's blocks (Q4_K: int4 blocks or as stored, `blocks_as_stored`;
     Q6_K: as stored), with each kernel that takes them on this build, at 1-512 tokens."""
     from tokenfab.kernels import linear as seam
     from tokenfab.quant.linear import gguf_linear
     kind, stored = kind.split()[0], kind.endswith("stored")
     raw = random_blocks(kind, out_features, cols, seed=3)
     w = torch.from_numpy(reference_dequantize(raw, kind, out_features, cols)).double()
-    layer = gguf_linear(raw, kind, out_features, cols, q4_k_stored=stored)
+    layer = gguf_linear(raw, kind, out_features, cols, as_stored=stored)
     if stored:
         assert type(layer).__name__ == "Q4_KLinear" and layer.weight_bytes() == out_features * cols * 9 // 16
     ran = []
@@ -103,14 +103,14 @@ def test_1b_shaped_kquant_layers_run_every_kernel_against_the_float_reference(ou
 
 @needs_c
 @pytest.mark.parametrize("tokens", [1, 17, 70])
-def test_qmadd_reads_q4_k_as_stored_to_the_same_bits_as_its_int4_blocks(tokens):
+def test_qmadd_reads_blocks_as_stored_to_the_same_bits_as_its_int4_blocks(tokens):
     """tf_qmadd expands each Q4_K sub-block into what the int4 blocks hold (d * sc, -dmin * mn): the same
     outputs, bit for bit, at a quarter fewer weight bytes."""
     from tokenfab.quant.linear import gguf_linear
     if "avx2" not in kernels.compiled_features():
         pytest.skip(f"qmadd needs an AVX2 build; this one is {kernels.isa() or 'the portable C loop'}")
     raw = random_blocks("Q4_K", 48, 2 * QK, seed=tokens)
-    stored, blocks = (gguf_linear(raw, "Q4_K", 48, 2 * QK, q4_k_stored=s) for s in (True, False))
+    stored, blocks = (gguf_linear(raw, "Q4_K", 48, 2 * QK, as_stored=s) for s in (True, False))
     x = torch.randn(tokens, 2 * QK, generator=torch.Generator().manual_seed(tokens))
     assert torch.equal(kernels.qmadd(x, *stored.cpu_layout(), 48), kernels.qmadd(x, *blocks.cpu_layout(), 48))
 
@@ -239,9 +239,9 @@ def test_engine_on_kquant_layers_gives_the_float_greedy_tokens_batched_and_alone
     llm = LLM(loaded=kquant_files, quantization="gguf", max_model_len=256, num_kv_blocks=64, kernel_autotune=False)
     model = llm.engine.model
     kinds = {type(m).__name__ for m in model.modules()}
-    # q/k Q4_K (as stored or as int4 blocks, as q4_k_as_stored says for this CPU) + v Q6_K: a mixed qkv
-    from tokenfab.quant.linear import q4_k_as_stored
-    assert {"Q4_KLinear" if q4_k_as_stored("cpu") else "Int4BlockLinear", "Q6_KLinear", "ConcatLinear"} <= kinds
+    # q/k Q4_K (as stored or as int4 blocks, as blocks_as_stored says for this CPU) + v Q6_K: a mixed qkv
+    from tokenfab.quant.linear import blocks_as_stored
+    assert {"Q4_KLinear" if blocks_as_stored("cpu") else "Int4BlockLinear", "Q6_KLinear", "ConcatLinear"} <= kinds
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, ConcatLinear) and len(qkv.parts) == 2         # q and k concatenate into one part
     assert type(model.layers[0].mlp.down_proj).__name__ == "Q6_KLinear"
@@ -251,13 +251,29 @@ def test_engine_on_kquant_layers_gives_the_float_greedy_tokens_batched_and_alone
 
 
 @needs_c
-def test_uniform_kquant_layers_take_the_one_call_decode_stack(kquant_files):
-    """Every projection one K-quant type: tf_qgemm's layer table takes them and the stack runs."""
+@pytest.mark.parametrize("kind", ["Q4_K", "Q4_0"])
+def test_uniform_kquant_layers_take_the_one_call_decode_stack(kquant_files, kind):
+    """Every projection one block type (K-quant, or Q4_0 as stored where `blocks_as_stored` says): tf_qgemm's
+    layer table takes them and the stack runs."""
     import dataclasses
 
+    import gguf
+
     from tokenfab import LLM
-    raw = {k: ("Q4_K", quantize_q4_k(kquant_files.weights[k].numpy())) for k in kquant_files.gguf_raw}
-    weights = {**kquant_files.weights, **{k: torch.from_numpy(reference_dequantize(b, "Q4_K", *kquant_files.weights[k].shape))
+    from tokenfab.quant.linear import blocks_as_stored
+
+    def quantize(w):
+        if kind == "Q4_K":
+            return quantize_q4_k(w)
+        return gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)
+
+    def dequantize(b, shape):
+        if kind == "Q4_K":
+            return reference_dequantize(b, "Q4_K", *shape)
+        return gguf.quants.dequantize(b, gguf.GGMLQuantizationType.Q4_0).reshape(shape)
+
+    raw = {k: (kind, quantize(kquant_files.weights[k].numpy())) for k in kquant_files.gguf_raw}
+    weights = {**kquant_files.weights, **{k: torch.from_numpy(dequantize(b, kquant_files.weights[k].shape))
                                           for k, (_, b) in raw.items()}}
     loaded = dataclasses.replace(kquant_files, weights=weights, gguf_raw=raw)
     ref = _greedy(LLM(loaded=loaded, quantization="none", max_model_len=256, num_kv_blocks=64,
@@ -267,6 +283,9 @@ def test_uniform_kquant_layers_take_the_one_call_decode_stack(kquant_files):
               attention_backend="cpu", kernel_autotune=False)
     assert _greedy(llm, PROMPTS) == ref
     assert llm.engine.model.attention_backend.stack_rows > 0
+    if kind == "Q4_0":
+        down = type(llm.engine.model.layers[0].mlp.down_proj).__name__
+        assert down == ("Q4_0BlocksLinear" if blocks_as_stored("cpu") else "Q4_0Linear")
 
 
 # ------------------------------------------------------------------------------------ quant schemes

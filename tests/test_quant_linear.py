@@ -162,6 +162,33 @@ def test_native_q4_0_layer_equals_gguf_dequantize_then_linear():
     _check_native_int4(Q4_0Linear.from_gguf(blocks, 64, 128), ref_w)
 
 
+@pytest.mark.parametrize("rows,cols", [(64, 128), (48, 96), (16, 2048)])     # 96: an odd number of blocks
+def test_q4_0_blocks_as_stored_decode_and_multiply_as_the_file_says(rows, cols):
+    """Q4_0BlocksLinear keeps the file's 18-byte blocks (4.5 bits per weight): it decodes to gguf's floats,
+    qgemm (tf_kint) matches them at 1-20 rows, and qmadd gives the same bits as on Q4_0Linear's int4 blocks."""
+    from tokenfab.quant.linear import Q4_0BlocksLinear, gguf_linear
+    g = np.random.default_rng(cols)
+    w = (g.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)
+    ref_w = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_0))
+    mod = gguf_linear(blocks, "Q4_0", rows, cols, as_stored=True)
+    assert isinstance(mod, Q4_0BlocksLinear) and mod.weight_bytes() == rows * cols * 18 // 32
+    assert torch.equal(mod.dequantize(), ref_w)
+    ids = torch.tensor([[rows - 1, 0], [2, 2]])
+    assert torch.equal(mod.embedding(ids), ref_w[ids])
+    from tokenfab import kernels
+    if not kernels.enabled():
+        pytest.skip("tokenfab's C kernels are not built here")
+    for m in (1, 3, 8, 11, 20):
+        x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+        ref = (x.double() @ ref_w.double().T).float()
+        torch.testing.assert_close(kernels.qgemm(x, *mod.cpu_layout(), rows), ref, rtol=1e-4,
+                                   atol=1e-4 * float(ref.abs().max()))
+        if "avx2" in kernels.compiled_features():
+            as_int4 = Q4_0Linear.from_gguf(blocks, rows, cols)
+            assert torch.equal(kernels.qmadd(x, *mod.cpu_layout(), rows), kernels.qmadd(x, *as_int4.cpu_layout(), rows))
+
+
 def test_native_q8_0_layer_equals_gguf_dequantize_then_linear(gguf_tensors):
     t = gguf_tensors["token_embd.weight"]
     assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and int(t.shape[1]) == 49152

@@ -14,6 +14,7 @@ QTILE_MAX_ROWS = 16      # rows tf_qtile takes per pass over the weight (TF_QTIL
 QTILE_HALF = 1024        # a qtile layout's `bits | QTILE_HALF`: its scales and offsets are float16 (TF_QTILE_HALF)
 KQUANT_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 KQUANT_BLOCK_BYTES = {10: 84, 11: 110, 12: 144, 13: 176, 14: 210}
+Q4_0_TYPE = 2            # ggml's id for Q4_0: a layout of Q4_0 blocks as stored (18 bytes per 32 weights)
 
 
 def layout_in_features(layout: tuple) -> int:
@@ -22,6 +23,8 @@ def layout_in_features(layout: tuple) -> int:
     bits &= ~(QDOT_FLAG | QTILE_FLAG | QTILE_HALF)
     if bits in KQUANT_BLOCK_BYTES:
         return q.shape[1] // KQUANT_BLOCK_BYTES[bits] * 256
+    if bits == Q4_0_TYPE:
+        return q.shape[1] // 18 * 32
     return q.shape[1] * (2 if bits == 4 else 1)
 
 

@@ -51,6 +51,7 @@ class LinearKernel(Protocol):
 
 # GGUF's K-quant blocks run as stored (tokenfab/quant/kquants.py): one format per block type.
 KQUANT_FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+STORED_FORMATS = ("q4_0",) + KQUANT_FORMATS       # every GGUF block type held as the file stores it
 
 _REGISTRY: dict[str, LinearKernel] = {}
 registry.register("linear_kernel", "auto")      # EngineConfig.linear_kernel: auto, or a kernel forced
@@ -279,7 +280,7 @@ class TorchFloat:
 class FloatCopy:
     """A quantized weight dequantized once into a float32 oneDNN copy: the fastest path for big batches
     where the memory budget allows (4 bytes per weight, counted by the engine)."""
-    name, formats, tune_max_rows, float_copy = "float", ("int8", "int4", "q8_0") + KQUANT_FORMATS, None, True
+    name, formats, tune_max_rows, float_copy = "float", ("int8", "int4", "q8_0") + STORED_FORMATS, None, True
     rank, lossy, copy_bytes = 1, False, 4
 
     def supports(self, layer):
@@ -298,7 +299,7 @@ class BF16Copy:
     faster than the float32 copy at half its memory (Sapphire Rapids, one thread,
     benchmarks/quant_kernels.py). Lossy (bf16 activations), so the table picks it only where it is
     LOSSY_MARGIN faster: prefill chunks and big batches, never the decode rows of the one-call stack."""
-    name, formats, tune_max_rows, float_copy = "bf16", ("int8", "int4", "q8_0") + KQUANT_FORMATS, None, True
+    name, formats, tune_max_rows, float_copy = "bf16", ("int8", "int4", "q8_0") + STORED_FORMATS, None, True
     rank, lossy, copy_bytes = 2, True, 2
 
     def supports(self, layer):
@@ -321,7 +322,7 @@ class BF16Copy:
 class Dequant:
     """Expand the weight to the activation dtype on every call, then F.linear: no extra memory, any
     device; the exact reference in tests."""
-    name, formats, tune_max_rows, float_copy = "dequant", ("int8", "int4", "q8_0", "w8a8") + KQUANT_FORMATS, None, False
+    name, formats, tune_max_rows, float_copy = "dequant", ("int8", "int4", "q8_0", "w8a8") + STORED_FORMATS, None, False
     rank, lossy = 3, False
 
     def supports(self, layer):

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from tokenfab import kernels as cpu_kernels
 from tokenfab import registry
-from tokenfab.kernels.linear import KQUANT_FORMATS, register
+from tokenfab.kernels.linear import STORED_FORMATS, register
 
 KERNEL_ALIASES = {"cpu": "qgemm"}     # the C kernel's name before the registry (CLI --kernel cpu)
 registry.register("linear_kernel", *KERNEL_ALIASES)
@@ -47,7 +47,7 @@ def _on_cpu(layer) -> bool:
 
 class QGemm:
     """tf_qgemm (tokenfab/kernels/csrc/qgemm.c): AVX2 FMA over the stored blocks, int16 activation blocks."""
-    name, formats, tune_max_rows, float_copy = "qgemm", ("int8", "int4", "q8_0") + KQUANT_FORMATS, 64, False
+    name, formats, tune_max_rows, float_copy = "qgemm", ("int8", "int4", "q8_0") + STORED_FORMATS, 64, False
     rank, lossy = 0, False
 
     def supports(self, layer):
@@ -80,8 +80,8 @@ class QMadd(QGemm):
     per 2 inputs and 8 outputs. For big batches and prefill chunks on CPUs without AMX bf16 (AVX2 / AVX-512;
     where AMX bf16 runs qbf16, qmadd is not offered), where qgemm's per-row cost is a float32 GEMM's and the
     table took the 4-byte float copy. Its float sums differ from qgemm's in the last bits (UNIFORM_KERNELS,
-    tuning.py). GGUF's Q4_K runs as stored: each sub-block of 32 expands as an int4 block."""
-    name, formats, tune_max_rows, float_copy = "qmadd", ("int8", "int4", "q8_0", "q4_k"), None, False
+    tuning.py). GGUF's Q4_K and Q4_0 run as stored: each block of 32 expands as an int4 block."""
+    name, formats, tune_max_rows, float_copy = "qmadd", ("int8", "int4", "q8_0", "q4_k", "q4_0"), None, False
     rank, lossy = 0, False            # ahead of the float copy on a tie: no copy to keep
     layout, call = "qgemm", "qmadd"   # build_plan shares qgemm's prepared state
 

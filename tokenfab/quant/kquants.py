@@ -19,7 +19,7 @@ measured table, tokenfab/kernels/tuning.py):
 
 A GGUF file's Q4_K tensors load as `Q4_KLinear` on AVX2 CPUs without AMX int8 tiles, and as int4 blocks
 elsewhere (`q4_k_as_int4_blocks` below, `Int4BlockLinear` in tokenfab/quant/linear.py: lossless, 6 bits per
-weight, run by the int4 kernels): `q4_k_as_stored` in tokenfab/quant/linear.py.
+weight, run by the int4 kernels): `blocks_as_stored` in tokenfab/quant/linear.py.
 
 `quantize_q4_k` / `quantize_q6_k` write float weights into Q4_K / Q6_K blocks (round to nearest in the
 block layout; gguf's Python package has no K-quant quantizer): the `q4_k` and `q6_k` schemes of

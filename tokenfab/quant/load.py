@@ -46,11 +46,11 @@ def use_gguf_blocks(model, raw: dict[str, tuple[str, np.ndarray]], weights=None,
 
     On a model still on the meta device (build_model does this before loading the float weights, so
     the replaced layers never get float copies), biases come from `weights` and a tied embedding
-    served from the head's blocks computes in `dtype`. Q4_K tensors load as stored or as int4 blocks as
-    `q4_k_as_stored(device)` says."""
-    from tokenfab.quant.linear import gguf_linear, q4_k_as_stored
+    served from the head's blocks computes in `dtype`. Q4_K and Q4_0 tensors load as stored or as int4
+    blocks as `blocks_as_stored(device)` says."""
+    from tokenfab.quant.linear import blocks_as_stored, gguf_linear
 
-    stored = q4_k_as_stored(device)
+    stored = blocks_as_stored(device)
 
     def bias_of(sources: list[str], linear):
         if linear.bias is None:
@@ -115,7 +115,7 @@ class ConcatLinear(nn.Module):
 
 
 def mixed_gguf_linear(parts: list[tuple[str, np.ndarray]], in_features: int, bias,
-                      q4_k_stored: bool = False) -> nn.Module | None:
+                      as_stored: bool = False) -> nn.Module | None:
     """One projection from row blocks of different GGUF types: a single Q8_0-form layer when every part
     decodes to it (Q8_0, Q5_0), else a ConcatLinear of native layers; None if a part has none."""
     from tokenfab.quant.linear import Q8_0Linear, gguf_linear
@@ -127,7 +127,7 @@ def mixed_gguf_linear(parts: list[tuple[str, np.ndarray]], in_features: int, bia
             runs.append((kind, data))
     layers = []
     for kind, data in runs:
-        layer = gguf_linear(data, kind, np.asarray(data).shape[0], in_features, q4_k_stored=q4_k_stored)
+        layer = gguf_linear(data, kind, np.asarray(data).shape[0], in_features, as_stored=as_stored)
         if layer is None:
             return None
         layers.append(layer)

@@ -71,8 +71,8 @@ TF_HIDDEN void tf_cols(tf_cols_fn fn, const void *args, size_t args_size, int64_
 #define TF_QTILE 512      /* tf_qgemm's `bits | TF_QTILE`: run tf_qtile (the one-call decode stack's layouts) */
 #define TF_QTILE_HALF 1024      /* a qtile layout's `bits | TF_QTILE_HALF`: its scales and offsets are float16 */
 
-/* ggml's K-quant type ids (layouts in kquant.c). */
-enum { TF_Q2_K = 10, TF_Q3_K = 11, TF_Q4_K = 12, TF_Q5_K = 13, TF_Q6_K = 14 };
+/* ggml's type ids of the blocks read as stored (layouts in kquant.c): Q4_0, and the K-quants. */
+enum { TF_Q4_0 = 2, TF_Q2_K = 10, TF_Q3_K = 11, TF_Q4_K = 12, TF_Q5_K = 13, TF_Q6_K = 14 };
 
 /* Quantizes x [n] to int16 blocks of 32 and their scales, as tf_qgemm does (qgemm.c; tf_qmadd too). */
 TF_HIDDEN void tf_quantize_blocks(const float *x, int64_t n, int16_t *xq, float *dx);

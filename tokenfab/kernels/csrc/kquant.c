@@ -322,6 +322,62 @@ static inline __attribute__((always_inline)) void tf_q6k_row(const int M, float 
     for (int r = 0; r < M; r++) out[r] = tf_hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
+/* GGUF's Q4_0 as stored (18 bytes per 32 weights: fp16 d, then byte j holding weight j in its low nibble
+ * and j + 16 in its high one; w = d * (q - 8)), two blocks per step. The two blocks' 16 code bytes in one
+ * register: as 16-bit words, word j of a block holds weights 2j, 2j + 1 (bits 0-3, 8-11) and 2j + 16,
+ * 2j + 17 (bits 4-7, 12-15), so masks and shifts give four int16 vectors in place (lanes 0-7: block b,
+ * 8-15: block b + 1), minus 8; the activations are laid out to match once per call (tf_q40_prep), so four
+ * vpmaddwd give both blocks' exact integer dots (lanes 0-3 and 4-7), scaled by d times the activation
+ * block's scale. */
+static void tf_q40_prep(const float *x, int64_t K, int16_t *xq, float *dx, int16_t *xp, float *dx8) {
+    static const int off[4] = {0, 1, 16, 17};
+    const int64_t nb = K / 32;
+    tf_quantize_blocks(x, K, xq, dx);
+    for (int64_t b = 0; b < nb; b += 2) {
+        int16_t *o = xp + b * 32;
+        for (int g = 0; g < 4; g++)
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < 8; j++)
+                    o[g * 16 + h * 8 + j] = b + h < nb ? xq[(b + h) * 32 + 2 * j + off[g]] : 0;
+        for (int i = 0; i < 4; i++) {
+            dx8[b * 4 + i] = dx[b];
+            dx8[b * 4 + 4 + i] = b + 1 < nb ? dx[b + 1] : 0.f;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void tf_q40_row(const int M, float *out, const int16_t *xp,
+                                                            const float *dx8, const float *xs, int64_t K,
+                                                            const uint8_t *row) {
+    (void)xs;
+    const int64_t nb = K / 32;
+    const __m256i lo = _mm256_set1_epi16(0x000F), eight = _mm256_set1_epi16(8);
+    const int64_t stride = (nb + 1) / 2 * 64;           /* int16 per activation row in the paired layout */
+    __m256 acc[TF_MAX_ROWS];
+    for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 2) {
+        const uint8_t *b0 = row + b * 18;
+        const int two = b + 1 < nb;
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + 2));
+        const __m128i q1 = two ? _mm_loadu_si128((const __m128i *)(b0 + 20)) : _mm_set1_epi8((char)0x88);
+        const __m256i v = _mm256_set_m128i(q1, q0);      /* a missing second block: codes 8, weights 0 */
+        const __m256i w0 = _mm256_sub_epi16(_mm256_and_si256(v, lo), eight);
+        const __m256i w1 = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 8), lo), eight);
+        const __m256i w2 = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), lo), eight);
+        const __m256i w3 = _mm256_sub_epi16(_mm256_srli_epi16(v, 12), eight);
+        const __m256 d = _mm256_set_m128(_mm_set1_ps(two ? tf_f16(b0 + 18) : 0.f), _mm_set1_ps(tf_f16(b0)));
+        for (int r = 0; r < M; r++) {
+            const __m256i *xr = (const __m256i *)(xp + r * stride + b * 32);
+            const __m256i p = _mm256_add_epi32(
+                _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xr)), _mm256_madd_epi16(w1, _mm256_loadu_si256(xr + 1))),
+                _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_loadu_si256(xr + 2)), _mm256_madd_epi16(w3, _mm256_loadu_si256(xr + 3))));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d, _mm256_loadu_ps(dx8 + r * stride / 8 + b * 4)),
+                                     acc[r]);
+        }
+    }
+    for (int r = 0; r < M; r++) out[r] = tf_hsum(acc[r]);
+}
+
 typedef struct {
     const uint8_t *raw;
     const int16_t *xp;
@@ -331,7 +387,7 @@ typedef struct {
 
 static void tf_kint_cols(const void *job, int64_t n0, int64_t n1, float *y, int64_t ys) {
     const tf_kint_job *J = (const tf_kint_job *)job;
-    const int64_t M = J->M, row_bytes = J->K / 256 * tf_kquant_block_bytes(J->type);
+    const int64_t M = J->M, row_bytes = J->type == TF_Q4_0 ? J->K / 32 * 18 : J->K / 256 * tf_kquant_block_bytes(J->type);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = J->raw + n * row_bytes;
         /* 4 rows ahead, as tf_qgemm_cols: short rows do not keep the hardware prefetchers ahead */
@@ -339,6 +395,8 @@ static void tf_kint_cols(const void *job, int64_t n0, int64_t n1, float *y, int6
         float out[TF_MAX_ROWS];
         if (J->type == TF_Q4_K) {
             TF_ROWS_SWITCH(tf_q4k_row, out, J->xp, J->dx, J->xs, J->K, row)
+        } else if (J->type == TF_Q4_0) {
+            TF_ROWS_SWITCH(tf_q40_row, out, J->xp, J->dx, J->xs, J->K, row)
         } else {
             TF_ROWS_SWITCH(tf_q6k_row, out, J->xp, J->dx, J->xs, J->K, row)
         }
@@ -346,21 +404,28 @@ static void tf_kint_cols(const void *job, int64_t n0, int64_t n1, float *y, int6
     }
 }
 
-/* y[M <= TF_MAX_ROWS, N] = x @ W^T for a Q4_K or Q6_K W, in integers, on the decode GEMMs' pool (tf_cols). */
+/* y[M <= TF_MAX_ROWS, N] = x @ W^T for a Q4_0, Q4_K or Q6_K W, in integers, on the decode GEMMs' pool
+ * (tf_cols). Q4_0's rows of activations (tf_q40_prep) are padded to whole pairs of blocks. */
 static void tf_kint(float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *raw, int64_t type) {
-    const int64_t nb = K / 32;
-    const size_t nxq = (size_t)(M * K) * sizeof(int16_t), nf = (size_t)(M * nb) * sizeof(float);
+    const int64_t nb = K / 32, np = (nb + 1) / 2;
+    const size_t nxq = (size_t)(M * np * 64) * sizeof(int16_t), nf = (size_t)(M * np * 8) * sizeof(float);
     /* this thread's scratch, never freed (tf_cols: a late worker may read it) */
     char *buf = (char *)tf_scratch(2 * TF_UP64(nxq) + 2 * TF_UP64(nf));
     int16_t *xq = (int16_t *)buf, *xp = (int16_t *)(buf + TF_UP64(nxq));
     float *dx = (float *)(buf + 2 * TF_UP64(nxq)), *xs = (float *)(buf + 2 * TF_UP64(nxq) + TF_UP64(nf));
-    for (int64_t r = 0; r < M; r++) tf_kint_prep(x + r * K, K, xq + r * K, dx + r * nb, xp + r * K, xs + r * nb);
-    const tf_kint_job job = {raw, xp, dx, xs, M, K, type};
+    for (int64_t r = 0; r < M; r++) {
+        if (type == TF_Q4_0)      /* xs holds the paired scales (dx8) */
+            tf_q40_prep(x + r * K, K, xq + r * K, dx + r * nb, xp + r * np * 64, xs + r * np * 8);
+        else
+            tf_kint_prep(x + r * K, K, xq + r * K, dx + r * nb, xp + r * K, xs + r * nb);
+    }
+    const tf_kint_job job = {raw, xp, type == TF_Q4_0 ? xs : dx, xs, M, K, type};
     tf_cols(tf_kint_cols, &job, sizeof job, M, N, y);
 }
 #endif
 
-/* y[M, N] = x[M, K] @ W^T for a K-quant W [N, K / 256 super-blocks]; 8 activation rows per pass. */
+/* y[M, N] = x[M, K] @ W^T for a K-quant W [N, K / 256 super-blocks] or a Q4_0 W [N, K / 32 blocks]; 8
+ * activation rows per pass. */
 void tf_kgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *raw, int64_t type) {
     if (M > TF_MAX_ROWS) {
         for (int64_t r0 = 0; r0 < M; r0 += TF_MAX_ROWS)
@@ -368,11 +433,31 @@ void tf_kgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const u
         return;
     }
 #if defined(__AVX2__) && defined(__FMA__)
-    if (type == TF_Q4_K || type == TF_Q6_K) {
+    if (type == TF_Q4_0 || type == TF_Q4_K || type == TF_Q6_K) {
         tf_kint(y, x, M, K, N, raw, type);
         return;
     }
 #endif
+    if (type == TF_Q4_0) {      /* builds without AVX2: each block decoded to floats */
+#pragma omp parallel for schedule(static) if (N >= 64)
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *row = raw + n * (K / 32) * 18;
+            for (int64_t r = 0; r < M; r++) {
+                float acc = 0.f;
+                for (int64_t b = 0; b < K / 32; b++) {
+                    const float d = tf_f16(row + b * 18);
+                    const uint8_t *qs = row + b * 18 + 2;
+                    const float *xb = x + r * K + b * 32;
+                    float part = 0.f;
+                    for (int j = 0; j < 16; j++)
+                        part += (float)((qs[j] & 15) - 8) * xb[j] + (float)((qs[j] >> 4) - 8) * xb[j + 16];
+                    acc += d * part;
+                }
+                y[r * N + n] = acc;
+            }
+        }
+        return;
+    }
     const int64_t bb = tf_kquant_block_bytes(type), nsb = K / 256;
 #pragma omp parallel for schedule(static) if (N >= 64)
     for (int64_t n = 0; n < N; n++) {

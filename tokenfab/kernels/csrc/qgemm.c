@@ -388,7 +388,7 @@ void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
         tf_qdot(y, x, M, K, N, q, d, m, gs, bits & ~TF_QDOT);
         return;
     }
-    if (tf_kquant_block_bytes(bits)) {   /* a K-quant layout: bits is ggml's type id */
+    if (bits == TF_Q4_0 || tf_kquant_block_bytes(bits)) {   /* GGUF blocks as stored: bits is ggml's type id */
         tf_kgemm(y, x, M, K, N, (const uint8_t *)q, bits);
         return;
     }

@@ -1,7 +1,8 @@
 /* ---------------------------------------------------------------------------------------------------------
  * tf_qmadd: big batches and prefill chunks (17+ rows) on tf_qgemm's own layout, without AMX or VNNI (kernel
  * "qmadd", tokenfab/quant/kernels.py); GGUF's Q4_K super-blocks too (bits TF_Q4_K: each sub-block of 32
- * expands as an int4 block with scale d * sc and offset -dmin * mn). tf_qgemm puts a block's 32 inputs in the lanes, so every row and
+ * expands as an int4 block with scale d * sc and offset -dmin * mn) and Q4_0's blocks (bits TF_Q4_0: scale
+ * d, offset -8 d). tf_qgemm puts a block's 32 inputs in the lanes, so every row and
  * output pays a convert, a scale broadcast and an FMA per block and a horizontal sum at the end: ~3.5
  * cycles per block and row, about what a float32 FMA GEMM costs, so above 16 rows the table took the
  * 4-byte float copy. Here the lanes are outputs: each thread expands its outputs' weights, 16 at a time,
@@ -55,7 +56,7 @@ static inline __attribute__((always_inline)) void tf_load_q4k(const uint8_t *row
 
 static void tf_qmadd_expand(int16_t *buf, int64_t stride, const void *q, const float *d, const float *m,
                             int64_t n0, int64_t np, int64_t nb, int64_t G, int64_t bpg, int64_t bits) {
-    const int64_t row_bytes = bits == TF_Q4_K ? nb / 8 * 144 : bits == 4 ? nb * 16 : nb * 32;
+    const int64_t row_bytes = bits == TF_Q4_K ? nb / 8 * 144 : bits == TF_Q4_0 ? nb * 18 : bits == 4 ? nb * 16 : nb * 32;
     for (int64_t p = 0; p < np; p++) {
         int16_t *w = buf + p * stride;
         float *sc = (float *)(w + nb * 512), *mo = sc + nb * 16;
@@ -71,6 +72,8 @@ static void tf_qmadd_expand(int16_t *buf, int64_t stride, const void *q, const f
                     const uint8_t *row = (const uint8_t *)q + (n0 + 16 * p + 8 * h + o) * row_bytes;
                     if (bits == TF_Q4_K)
                         tf_load_q4k(row, b, v);
+                    else if (bits == TF_Q4_0)
+                        tf_load_weights(row + b * 18 + 2, 0, 4, v);   /* block b's 16 code bytes */
                     else
                         tf_load_weights(row, b, bits, v);
                     lo[o] = v[0];                 /* input pairs 0..7 */
@@ -95,6 +98,15 @@ static void tf_qmadd_expand(int16_t *buf, int64_t stride, const void *q, const f
                         sc[(s * 8 + j) * 16 + o] = dd * (float)scl[j];
                         mo[(s * 8 + j) * 16 + o] = -(dmin * (float)mn[j]);
                     }
+                }
+            }
+        else if (bits == TF_Q4_0)  /* per block: scale d, offset -8 d */
+            for (int64_t o = 0; o < 16; o++) {
+                const uint8_t *row = (const uint8_t *)q + (n0 + 16 * p + o) * row_bytes;
+                for (int64_t b = 0; b < nb; b++) {
+                    const float dd = tf_f16(row + b * 18);
+                    sc[b * 16 + o] = dd;
+                    mo[b * 16 + o] = -8.f * dd;
                 }
             }
         else
@@ -137,7 +149,7 @@ static inline __attribute__((always_inline)) void tf_qmadd_tile(const int R, flo
             acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][1]), _mm256_mul_ps(s1, f), acc[r][1]);
         }
     }
-    if (bits == 4 || bits == TF_Q4_K)
+    if (bits == 4 || bits == TF_Q4_K || bits == TF_Q4_0)
         for (int64_t g = 0; g < G; g++) {
             const __m256 m0 = _mm256_loadu_ps(mo + g * 16), m1 = _mm256_loadu_ps(mo + g * 16 + 8);
             for (int r = 0; r < R; r++) {
@@ -156,8 +168,9 @@ static inline __attribute__((always_inline)) void tf_qmadd_tile(const int R, flo
 void tf_qmadd(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const float *d,
               const float *m, int64_t gs, int64_t bits) {
 #if defined(__AVX2__) && defined(__FMA__)
-    if (bits == TF_Q4_K) gs = 32;         /* a Q4_K sub-block: one scale and one offset per 32 */
-    const int64_t G = K / gs, nb = K / 32, bpg = gs / 32, units = N / 16, offsets = bits == 4 || bits == TF_Q4_K;
+    if (bits == TF_Q4_K || bits == TF_Q4_0) gs = 32;   /* one scale and one offset per 32 */
+    const int64_t G = K / gs, nb = K / 32, bpg = gs / 32, units = N / 16,
+                  offsets = bits == 4 || bits == TF_Q4_K || bits == TF_Q4_0;
     int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
     float *xs = (float *)calloc((size_t)(M * G + 1), sizeof(float));
