@@ -52,6 +52,11 @@ TINY_CONFIGS = {
                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                        rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=4.0,
                                             original_max_position_embeddings=64)),
+    # Granite's four multipliers, each far from 1 (model/config.py: use_granite)
+    "granite": dict(model_type="granite", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True,
+                    embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
+                    logits_scaling=8.0, rms_norm_eps=0.05),   # an eps large enough to matter (it becomes eps / r^2)
     "llama-linear-rope": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                               rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),

@@ -1,6 +1,7 @@
 """ModelConfig: the architecture numbers of a Llama-family decoder, from GGUF metadata or config.json.
 
-Gemma 3 is the same decoder with a few switches (model/llama.py reads them): (1 + weight) norms,
+Granite is the Llama decoder with four multipliers, folded into the embedding scale, the norms' eps and
+the final norm (`use_granite`). Gemma 3 is the same decoder with a few switches (model/llama.py reads them): (1 + weight) norms,
 four norms per layer, GeGLU, q/k norms, sliding-window attention on most layers with its own RoPE
 base, embeddings scaled by sqrt(hidden) and attention scaled by query_pre_attn_scalar.
 """
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from tokenfab.model import rope as rope_scalings
 
 # Architectures the decoder in llama.py runs, by HF `model_type` / GGUF `general.architecture`.
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "granite")
 GEMMA3_SLIDING_PATTERN = 6      # every 6th layer global, the rest sliding (HF's default, llama.cpp's constant)
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
@@ -45,6 +46,9 @@ class ModelConfig:
     sliding_window: int | None = None        # tokens a sliding layer attends to, itself included
     sliding_layers: list[bool] = field(default_factory=list)   # per layer: sliding (True) or global
     rope_local_theta: float | None = None    # RoPE base of the sliding layers
+    # Granite's multipliers (use_granite): logits divided by this, folded into the final norm's weight at load
+    logits_scaling: float | None = None
+    granite: dict | None = None              # the multipliers and eps as the checkpoint states them
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_window) and layer < len(self.sliding_layers) and self.sliding_layers[layer]
@@ -77,6 +81,19 @@ class ModelConfig:
         self.sliding_layers = [t == "sliding_attention" for t in layer_types]
         self.rope_local_theta = float(local_theta)
 
+    def use_granite(self, embedding: float, residual: float, attention: float, logits: float) -> None:
+        """Granite's four multipliers, in place, without a new code path: the residual stream is carried
+        divided by `residual` (u = h / r). RMSNorm(h) with eps equals RMSNorm(u) with eps / r^2, and h + r f
+        becomes u + f, so the decoder runs unchanged with the embedding scaled by embedding / r and every
+        norm's eps divided by r^2; attention scales scores by `attention`; logits / `logits` is the final
+        norm's weight divided by it (model/llama.py)."""
+        self.granite = {"embedding_multiplier": embedding, "residual_multiplier": residual,
+                        "attention_multiplier": attention, "logits_scaling": logits, "rms_norm_eps": self.rms_norm_eps}
+        self.embed_scale = embedding / residual
+        self.rms_norm_eps = self.rms_norm_eps / residual ** 2
+        self.attn_scale = attention
+        self.logits_scaling = logits if logits != 1.0 else None
+
     def kv_bytes_for_context(self, context: int, bytes_per_element: float, windowed: bool) -> int:
         """K and V of one sequence of `context` tokens; `windowed`: sliding layers holding only their
         window (what the engine's sliding pool holds, engine/sliding_kv.py, up to block rounding)."""
@@ -98,7 +115,9 @@ class ModelConfig:
         max_pos = cfg.get("max_position_embeddings", 2048)
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
-        return cls(
+        if cfg.get("mlp_bias"):
+            raise ValueError(f"unsupported mlp_bias=True in {arch!r} (the decoder's MLP has no biases)")
+        out = cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -118,6 +137,10 @@ class ModelConfig:
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             name=cfg.get("_name_or_path", ""),
         )
+        if arch == "granite":
+            out.use_granite(float(cfg.get("embedding_multiplier", 1.0)), float(cfg.get("residual_multiplier", 1.0)),
+                            float(cfg.get("attention_multiplier", 1.0)), float(cfg.get("logits_scaling", 1.0)))
+        return out
 
     @classmethod
     def _from_hf_gemma3(cls, cfg: dict) -> "ModelConfig":

@@ -202,6 +202,8 @@ class LlamaModel(nn.Module):
         if type(self.embed_tokens) is nn.Embedding:    # else served from the quantized head's rows
             put(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         put_norm(self.norm, "model.norm.weight")
+        if cfg.logits_scaling:          # Granite: logits / s, as the final norm's weight / s (the head is linear)
+            self.norm.weight = nn.Parameter(self.norm.weight / cfg.logits_scaling, requires_grad=False)
         if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
             if type(self.lm_head) is nn.Linear:
                 self.lm_head.weight = self.embed_tokens.weight

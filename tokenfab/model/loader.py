@@ -178,6 +178,9 @@ def gguf_config(reader, path: str) -> ModelConfig:
         )
         if arch == "gemma3":     # llama.cpp's constants: the pattern, the local base, head_dim ** -0.5
             cfg.use_gemma3(field("gemma3.attention.sliding_window"), None, GEMMA3_LOCAL_ROPE_THETA, None)
+        if arch == "granite":    # llama.cpp's names for the four multipliers
+            cfg.use_granite(float(field("granite.embedding_scale", 1.0)), float(field("granite.residual_scale", 1.0)),
+                            float(field("granite.attention.scale", 1.0)), float(field("granite.logit_scale", 1.0)))
         cfg.rope_scaling = _gguf_rope_scaling(reader, field, arch, cfg, path)
         return cfg
     except (TypeError, KeyError) as e:
@@ -277,7 +280,7 @@ def _gguf_float(t, hf: str, heads: int, cfg: ModelConfig, path: str) -> torch.Te
 
 def _rope_permuted_heads(cfg: ModelConfig, hf_name: str) -> int:
     """How many heads llama.cpp's converter permuted in this tensor (0: not permuted)."""
-    if cfg.arch not in ("llama", "mistral"):
+    if cfg.arch not in ("llama", "mistral", "granite"):
         return 0
     if ".q_proj." in hf_name:
         return cfg.num_heads
