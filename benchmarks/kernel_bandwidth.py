@@ -9,7 +9,7 @@ GB/s over the machine's is the share of the bandwidth limit a decode step can re
     python benchmarks/kernel_bandwidth.py --geometry llama-3.2-3b --types Q4_K,Q4_0 --kernel qdot
 
 "Q4_K stored" and "Q4_0 stored" are the file's blocks held as stored (what the loader builds on AVX2 CPUs
-without AMX int8 tiles, `blocks_as_stored` in tokenfab/quant/linear.py); "Q4_K" and "Q4_0" are the int4
+without AMX int8 tiles, `blocks_as_stored` in tokenfab/quant/kquants.py); "Q4_K" and "Q4_0" are the int4
 blocks in tf_qgemm's layout it builds elsewhere. The other types load one way.
 """
 from __future__ import annotations

@@ -14,7 +14,8 @@ from tokenfab.kernels.select import select_kernels
 from tokenfab.kernels.tuning import KernelTable
 from tokenfab.model.layers import FloatLinear
 from tokenfab.quant.kquants import KQUANT_LINEAR_TYPES, quantize_q4_k
-from tokenfab.quant.linear import Int4BlockLinear, Int4Linear, Int8Linear, Q4_0BlocksLinear, Q8_0Linear, W8A8Linear
+from tokenfab.quant.kquants import Q4_0BlocksLinear
+from tokenfab.quant.linear import Int4BlockLinear, Int4Linear, Int8Linear, Q8_0Linear, W8A8Linear
 
 ROWS = (1, 7, 16, 17, 64, 512)
 

@@ -240,7 +240,7 @@ def test_engine_on_kquant_layers_gives_the_float_greedy_tokens_batched_and_alone
     model = llm.engine.model
     kinds = {type(m).__name__ for m in model.modules()}
     # q/k Q4_K (as stored or as int4 blocks, as blocks_as_stored says for this CPU) + v Q6_K: a mixed qkv
-    from tokenfab.quant.linear import blocks_as_stored
+    from tokenfab.quant.kquants import blocks_as_stored
     assert {"Q4_KLinear" if blocks_as_stored("cpu") else "Int4BlockLinear", "Q6_KLinear", "ConcatLinear"} <= kinds
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, ConcatLinear) and len(qkv.parts) == 2         # q and k concatenate into one part
@@ -260,7 +260,7 @@ def test_uniform_kquant_layers_take_the_one_call_decode_stack(kquant_files, kind
     import gguf
 
     from tokenfab import LLM
-    from tokenfab.quant.linear import blocks_as_stored
+    from tokenfab.quant.kquants import blocks_as_stored
 
     def quantize(w):
         if kind == "Q4_K":

@@ -166,7 +166,8 @@ def test_native_q4_0_layer_equals_gguf_dequantize_then_linear():
 def test_q4_0_blocks_as_stored_decode_and_multiply_as_the_file_says(rows, cols):
     """Q4_0BlocksLinear keeps the file's 18-byte blocks (4.5 bits per weight): it decodes to gguf's floats,
     qgemm (tf_kint) matches them at 1-20 rows, and qmadd gives the same bits as on Q4_0Linear's int4 blocks."""
-    from tokenfab.quant.linear import Q4_0BlocksLinear, gguf_linear
+    from tokenfab.quant.kquants import Q4_0BlocksLinear
+    from tokenfab.quant.linear import gguf_linear
     g = np.random.default_rng(cols)
     w = (g.standard_normal((rows, cols)) * 0.05).astype(np.float32)
     blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)

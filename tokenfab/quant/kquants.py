@@ -19,7 +19,7 @@ measured table, tokenfab/kernels/tuning.py):
 
 A GGUF file's Q4_K tensors load as `Q4_KLinear` on AVX2 CPUs without AMX int8 tiles, and as int4 blocks
 elsewhere (`q4_k_as_int4_blocks` below, `Int4BlockLinear` in tokenfab/quant/linear.py: lossless, 6 bits per
-weight, run by the int4 kernels): `blocks_as_stored` in tokenfab/quant/linear.py.
+weight, run by the int4 kernels): `blocks_as_stored` below.
 
 `quantize_q4_k` / `quantize_q6_k` write float weights into Q4_K / Q6_K blocks (round to nearest in the
 block layout; gguf's Python package has no K-quant quantizer): the `q4_k` and `q6_k` schemes of
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from tokenfab import kernels as cpu_kernels
+from tokenfab.quant import gguf_blocks as _gguf_blocks
 from tokenfab.quant.linear import QuantLinear
 
 QK = 256                                   # weights per super-block
@@ -207,3 +208,63 @@ def _layer_class(type_name: str) -> type[KQuantLinear]:
 
 
 KQUANT_LINEAR_TYPES: dict[str, type[KQuantLinear]] = {t: _layer_class(t) for t in BLOCK_BYTES}
+
+
+def blocks_as_stored(device: str | torch.device) -> bool:
+    """Whether a GGUF file's Q4_K and Q4_0 tensors load as stored (Q4_KLinear, Q4_0BlocksLinear: 4.5 bits
+    per weight) rather than as int4 blocks (Int4BlockLinear, Q4_0Linear: 6 bits, a float32 scale and offset
+    per 32). As stored on the CPU, where the AVX2 kernels read the blocks in integers (tf_kint for decode
+    rows, tf_qmadd for big batches) and a decode step streams a quarter fewer bytes; as int4 blocks where AMX
+    int8 tiles are available (their qtile / qbf16 layouts are built from int4 blocks) and on other devices
+    (torch ops dequantize int4 blocks; the K-quant layers dequantize through numpy there)."""
+    from tokenfab import kernels as cpu_kernels
+    if torch.device(device).type != "cpu" or not cpu_kernels.enabled():
+        return False
+    return "avx2" in cpu_kernels.compiled_features() and not cpu_kernels.amx_available()
+
+
+class Q4_0BlocksLinear(QuantLinear):
+    """GGUF Q4_0 blocks exactly as the file stores them, uint8 [out, in / 32 * 18] (fp16 d, then 16 nibble
+    bytes; w = d * (q - 8)): 4.5 bits per weight, where `Q4_0Linear` holds 6 (float32 d and offset). The
+    AVX2 kernels read them as they are (tf_kint for decode rows, tf_qmadd for big batches; ggml's type id
+    2 as tf_qgemm's `bits`); `dequantize` and `embedding` decode them in torch."""
+    weight_format = "q4_0"
+    group_size = 32
+    type_id: ClassVar[int] = 2
+
+    def __init__(self, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None = None):
+        super().__init__(in_features, blocks.shape[0], bias)
+        assert blocks.dtype == torch.uint8 and blocks.shape[1] == in_features // 32 * 18
+        self.register_buffer("blocks", blocks.contiguous())
+        self._no_scales = torch.empty(1)        # tf_qgemm's d slot: unused by blocks read as stored
+
+    @classmethod
+    def from_gguf(cls, data, out_features: int, in_features: int, bias: torch.Tensor | None = None):
+        b = _gguf_blocks._blocks(data, out_features, in_features, "Q4_0")
+        return cls(torch.from_numpy(b.reshape(out_features, -1).copy()), in_features, bias)
+
+    @classmethod
+    def empty(cls, cfg: dict) -> "Q4_0BlocksLinear":
+        n, k = cfg["out_features"], cfg["in_features"]
+        return cls(torch.zeros(n, k // 32 * 18, dtype=torch.uint8), k, torch.zeros(n) if cfg["bias"] else None)
+
+    def _rows(self, blocks: torch.Tensor, dtype) -> torch.Tensor:
+        n = blocks.shape[0]
+        b = blocks.view(n, -1, 18)
+        d = b[..., :2].contiguous().view(torch.float16).float()                  # [n, nb, 1]
+        qs = b[..., 2:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=2).float() - 8                   # weights 0..15, 16..31
+        return (q * d).view(n, self.in_features).to(dtype)
+
+    def dequantize(self, dtype=torch.float32):
+        return self._rows(self.blocks, dtype)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` decoded: a tied token embedding served from these blocks keeps no float copy."""
+        return self._rows(self.blocks[ids.reshape(-1)], dtype).reshape(*ids.shape, self.in_features)
+
+    def cpu_layout(self):
+        return self.blocks, self._no_scales, None, self.group_size, self.type_id
+
+    def extra_repr(self):
+        return super().extra_repr() + ", gguf=Q4_0"

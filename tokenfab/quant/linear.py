@@ -6,7 +6,8 @@
   (schemes "int4-g*", "awq-int4-g*").
 - `Int4BlockLinear`: int4 blocks of 32 in the C kernels' own layout (w = d * q + m). `Q4_0Linear` and
   `Q4_1Linear` are GGUF's blocks as shipped in it; GGUF's Q4_K loads into it losslessly where
-  its super-blocks are not read as stored (`blocks_as_stored`); `Q4_0BlocksLinear` keeps Q4_0's bytes as they are.
+  its super-blocks are not read as stored (`blocks_as_stored`); `Q4_0BlocksLinear` (kquants.py) keeps Q4_0's
+  bytes as they are.
 - `Q8_0Linear`: GGUF int8 blocks of 32 with one scale each. torch has no int8 kernel with group
   scales, so the packed path splits each int8 q into two nibbles, q = 16 * hi + lo, and runs both
   halves through the int4 kernel at once (scale 16 d for hi, scale d for lo): exact, and 1 byte/weight.
@@ -313,53 +314,6 @@ class Q4_0Linear(Int4BlockLinear):
         return cls(qs, d, -8 * d, in_features, bias)
 
 
-class Q4_0BlocksLinear(QuantLinear):
-    """GGUF Q4_0 blocks exactly as the file stores them, uint8 [out, in / 32 * 18] (fp16 d, then 16 nibble
-    bytes; w = d * (q - 8)): 4.5 bits per weight, where `Q4_0Linear` holds 6 (float32 d and offset). The
-    AVX2 kernels read them as they are (tf_kint for decode rows, tf_qmadd for big batches; ggml's type id
-    2 as tf_qgemm's `bits`); `dequantize` and `embedding` decode them in torch."""
-    weight_format = "q4_0"
-    group_size = gguf_blocks.BLOCK
-    type_id: ClassVar[int] = 2
-
-    def __init__(self, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None = None):
-        super().__init__(in_features, blocks.shape[0], bias)
-        assert blocks.dtype == torch.uint8 and blocks.shape[1] == in_features // 32 * 18
-        self.register_buffer("blocks", blocks.contiguous())
-        self._no_scales = torch.empty(1)        # tf_qgemm's d slot: unused by blocks read as stored
-
-    @classmethod
-    def from_gguf(cls, data, out_features: int, in_features: int, bias: torch.Tensor | None = None):
-        b = gguf_blocks._blocks(data, out_features, in_features, "Q4_0")
-        return cls(torch.from_numpy(b.reshape(out_features, -1).copy()), in_features, bias)
-
-    @classmethod
-    def empty(cls, cfg: dict) -> "Q4_0BlocksLinear":
-        n, k = cfg["out_features"], cfg["in_features"]
-        return cls(torch.zeros(n, k // 32 * 18, dtype=torch.uint8), k, torch.zeros(n) if cfg["bias"] else None)
-
-    def _rows(self, blocks: torch.Tensor, dtype) -> torch.Tensor:
-        n = blocks.shape[0]
-        b = blocks.view(n, -1, 18)
-        d = b[..., :2].contiguous().view(torch.float16).float()                  # [n, nb, 1]
-        qs = b[..., 2:]
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=2).float() - 8                   # weights 0..15, 16..31
-        return (q * d).view(n, self.in_features).to(dtype)
-
-    def dequantize(self, dtype=torch.float32):
-        return self._rows(self.blocks, dtype)
-
-    def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows `ids` decoded: a tied token embedding served from these blocks keeps no float copy."""
-        return self._rows(self.blocks[ids.reshape(-1)], dtype).reshape(*ids.shape, self.in_features)
-
-    def cpu_layout(self):
-        return self.blocks, self._no_scales, None, self.group_size, self.type_id
-
-    def extra_repr(self):
-        return super().extra_repr() + ", gguf=Q4_0"
-
-
 class Q4_1Linear(Int4BlockLinear):
     """GGUF Q4_1 as shipped, w = d * q + m in blocks of 32: the file's nibble bytes, scale d and offset m."""
     source = "Q4_1"
@@ -436,25 +390,12 @@ class Q5_0Linear(Q8_0Linear):
 
 
 LINEAR_TYPES: dict[str, type[QuantLinear]] = {
-    c.__name__: c for c in (Int8Linear, W8A8Linear, Int4Linear, Int4BlockLinear, Q4_0Linear, Q4_0BlocksLinear,
-                            Q4_1Linear, Q8_0Linear, Q5_0Linear)}
+    c.__name__: c for c in (Int8Linear, W8A8Linear, Int4Linear, Int4BlockLinear, Q4_0Linear, Q4_1Linear, Q8_0Linear,
+                            Q5_0Linear)}
 
 
 GGUF_LINEAR_TYPES: dict[str, type[QuantLinear]] = {"Q4_0": Q4_0Linear, "Q4_1": Q4_1Linear, "Q8_0": Q8_0Linear,
                                                    "Q5_0": Q5_0Linear}
-
-
-def blocks_as_stored(device: str | torch.device) -> bool:
-    """Whether a GGUF file's Q4_K and Q4_0 tensors load as stored (Q4_KLinear, Q4_0BlocksLinear: 4.5 bits
-    per weight) rather than as int4 blocks (Int4BlockLinear, Q4_0Linear: 6 bits, a float32 scale and offset
-    per 32). As stored on the CPU, where the AVX2 kernels read the blocks in integers (tf_kint for decode
-    rows, tf_qmadd for big batches) and a decode step streams a quarter fewer bytes; as int4 blocks where AMX
-    int8 tiles are available (their qtile / qbf16 layouts are built from int4 blocks) and on other devices
-    (torch ops dequantize int4 blocks; the K-quant layers dequantize through numpy there)."""
-    from tokenfab import kernels as cpu_kernels
-    if torch.device(device).type != "cpu" or not cpu_kernels.enabled():
-        return False
-    return "avx2" in cpu_kernels.compiled_features() and not cpu_kernels.amx_available()
 
 
 def gguf_linear(data, type_name: str, out_features: int, in_features: int,
@@ -462,8 +403,8 @@ def gguf_linear(data, type_name: str, out_features: int, in_features: int,
     """A native layer for a GGUF tensor of type Q4_0 / Q4_1 / Q8_0 / Q2_K..Q6_K, or None for types that must be
     dequantized. `data` is `GGUFReader`'s uint8 [rows, bytes]; rows can be permuted or concatenated
     (e.g. q, k and v into one fused projection) before the call, since each row's blocks stand alone.
-    Q4_K and Q4_0 load as int4 blocks unless `as_stored` (see `blocks_as_stored`)."""
-    from tokenfab.quant.kquants import KQUANT_LINEAR_TYPES     # K-quants: Q2_K..Q6_K as stored
+    Q4_K and Q4_0 load as int4 blocks unless `as_stored` (see `blocks_as_stored` in kquants.py)."""
+    from tokenfab.quant.kquants import KQUANT_LINEAR_TYPES, Q4_0BlocksLinear     # blocks as stored
     if type_name == "Q4_K" and not as_stored:                  # the int4 kernels' layout, lossless
         return Int4BlockLinear.from_q4_k(data, out_features, in_features, bias)
     if type_name == "Q4_0" and as_stored:
@@ -474,8 +415,8 @@ def gguf_linear(data, type_name: str, out_features: int, in_features: int,
 
 def empty_from_config(cfg: dict) -> QuantLinear:
     """A module of the right type and shapes, ready for `load_state_dict` (used by checkpoint loading)."""
-    from tokenfab.quant.kquants import KQUANT_LINEAR_TYPES
-    types = {**LINEAR_TYPES, **{c.__name__: c for c in KQUANT_LINEAR_TYPES.values()}}
+    from tokenfab.quant.kquants import KQUANT_LINEAR_TYPES, Q4_0BlocksLinear
+    types = {**LINEAR_TYPES, **{c.__name__: c for c in (*KQUANT_LINEAR_TYPES.values(), Q4_0BlocksLinear)}}
     cls = types.get(cfg.get("type", ""))
     if cls is None:
         raise ValueError(f"unknown quantized linear type {cfg.get('type')!r}; known: {sorted(types)}")

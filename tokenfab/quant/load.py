@@ -48,7 +48,8 @@ def use_gguf_blocks(model, raw: dict[str, tuple[str, np.ndarray]], weights=None,
     the replaced layers never get float copies), biases come from `weights` and a tied embedding
     served from the head's blocks computes in `dtype`. Q4_K and Q4_0 tensors load as stored or as int4
     blocks as `blocks_as_stored(device)` says."""
-    from tokenfab.quant.linear import blocks_as_stored, gguf_linear
+    from tokenfab.quant.kquants import blocks_as_stored
+    from tokenfab.quant.linear import gguf_linear
 
     stored = blocks_as_stored(device)
 
