@@ -52,6 +52,10 @@ TINY_CONFIGS = {
                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                        rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=4.0,
                                             original_max_position_embeddings=64)),
+    # SmolLM3: RoPE left out on every 4th layer (4 layers: the last is NoPE)
+    "smollm3": dict(model_type="smollm3", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True,
+                    pad_token_id=None),
     # Granite's four multipliers, each far from 1 (model/config.py: use_granite)
     "granite": dict(model_type="granite", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True,

@@ -395,16 +395,17 @@ class QLinear(ctypes.Structure):
 class Layer(ctypes.Structure):
     """tf_layer in csrc/decode_layers.c: a decoder layer's norm weights, linears and KV pools; the q/k and output
     norms are NULL where the layer has none, `window` 0 for a global layer, `kv_half` 1 for float16
-    pools (see f16_pools); `qkv_split` > 0 where qkv is two layouts, its rows from there on in `qkv_rest`."""
+    pools (see f16_pools); `qkv_split` > 0 where qkv is two layouts, its rows from there on in `qkv_rest`;
+    `nope` 1 for a layer without RoPE (it reads the third StepView)."""
     _fields_ = [("ln1", _P), ("ln2", _P), ("qkv", QLinear), ("o", QLinear), ("gate_up", QLinear),
                 ("down", QLinear), ("k_cache", _P), ("v_cache", _P), ("q_norm", _P), ("k_norm", _P),
                 ("attn_out_norm", _P), ("mlp_out_norm", _P), ("window", _I), ("kv_half", _I),
-                ("qkv_rest", QLinear), ("qkv_split", _I)]
+                ("qkv_rest", QLinear), ("qkv_split", _I), ("nope", _I)]
 
 
 class StepView(ctypes.Structure):
     """tf_step_view in csrc/decode_layers.c: what a step's layers read besides their weights (one view
-    for the global layers, one for the sliding ones)."""
+    for the global layers, one for the sliding ones, one for the NoPE ones)."""
     _fields_ = [("positions", _P), ("slots", _P), ("block_tables", _P), ("ctx_lens", _P), ("bt_stride", _I),
                 ("cos", _P), ("sin", _P)]
 
@@ -421,7 +422,7 @@ ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}     # tf_decode_layers' `act` 
 def decode_layers(x: torch.Tensor, layers, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                   intermediate: int, eps: float, act: str, views, block_size: int, scale: float) -> None:
     """The whole decoder stack for a decode step of at most QGEMM_MAX_ROWS tokens, x [M, hidden] updated
-    in place (tf_decode_layers); `layers` is a ctypes array of Layer, `views` one of two StepViews
-    (global layers, sliding layers), whose tensors the caller keeps alive for the call."""
+    in place (tf_decode_layers); `layers` is a ctypes array of Layer, `views` one of three StepViews
+    (global layers, sliding layers, NoPE layers), whose tensors the caller keeps alive for the call."""
     _lib.tf_decode_layers(x.data_ptr(), x.shape[0], hidden, len(layers), layers, num_heads, num_kv_heads, head_dim,
                           intermediate, eps, ACTIVATIONS[act], views, block_size, scale)

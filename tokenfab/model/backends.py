@@ -181,8 +181,10 @@ class CpuBackend(TorchBackend):
             layers = (kernels.Layer * num_layers).from_buffer(layers)
         # global layers read the step's metadata and RoPE; sliding ones (Gemma 3) their own pool's
         # metadata when the runner gave one (engine/sliding_kv.py) and the local RoPE base where it differs
-        views = (kernels.StepView * 2)(kernels.StepView.of(meta, model.rope),
-                                       kernels.StepView.of(meta.sliding or meta, model.rope_local or model.rope))
+        # and NoPE layers (SmolLM3) the global metadata with tables that rotate nothing
+        views = (kernels.StepView * 3)(kernels.StepView.of(meta, model.rope),
+                                       kernels.StepView.of(meta.sliding or meta, model.rope_local or model.rope),
+                                       kernels.StepView.of(meta, model.rope_none or model.rope))
         kernels.decode_layers(x, layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                               cfg.intermediate_size, model.norm.eps, cfg.hidden_act, views, paged.block_size,
                               paged.scale)
@@ -289,7 +291,7 @@ def _build_stack(model, kv_caches, cap: int, big_cap: int = 0) -> tuple | None:
     rows = set(range(1, limit + 1))
     table = (kernels.Layer * len(model.layers))()
     keep = []                          # the layouts' tensors: the table holds their addresses
-    for entry, layer, (k_cache, v_cache) in zip(table, model.layers, kv_caches):
+    for i, (entry, layer, (k_cache, v_cache)) in enumerate(zip(table, model.layers, kv_caches)):
         if not isinstance(k_cache, torch.Tensor) or not (
                 k_cache.dtype == torch.float32
                 or (k_cache.dtype == torch.float16 and kernels.f16_pools(cfg.head_dim) is None)):
@@ -330,6 +332,7 @@ def _build_stack(model, kv_caches, cap: int, big_cap: int = 0) -> tuple | None:
             None if n is None else n.weight.data_ptr() for n in norms)
         entry.q_norm, entry.k_norm = (None if n is None else n.weight.data_ptr() for n in qk)
         entry.window = attn.window or 0
+        entry.nope = int(model.config.is_nope(i))
         if len(qkv_parts) == 2:
             entry.qkv_rest, entry.qkv_split = layouts.pop(1), qkv_parts[0].out_features
         entry.qkv, entry.o, entry.gate_up, entry.down = layouts

@@ -1,5 +1,6 @@
 """ModelConfig: the architecture numbers of a Llama-family decoder, from GGUF metadata or config.json.
 
+SmolLM3 is the Llama decoder with RoPE left out on every 4th layer (`nope_layers`).
 Granite is the Llama decoder with four multipliers, folded into the embedding scale, the norms' eps and
 the final norm (`use_granite`). Gemma 3 is the same decoder with a few switches (model/llama.py reads them): (1 + weight) norms,
 four norms per layer, GeGLU, q/k norms, sliding-window attention on most layers with its own RoPE
@@ -12,7 +13,8 @@ from dataclasses import dataclass, field
 from tokenfab.model import rope as rope_scalings
 
 # Architectures the decoder in llama.py runs, by HF `model_type` / GGUF `general.architecture`.
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "granite")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "granite", "smollm3")
+SMOLLM3_NOPE_STEP = 4           # SmolLM3: every 4th layer has no RoPE (HF's default interval, llama.cpp's constant)
 GEMMA3_SLIDING_PATTERN = 6      # every 6th layer global, the rest sliding (HF's default, llama.cpp's constant)
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
@@ -46,9 +48,13 @@ class ModelConfig:
     sliding_window: int | None = None        # tokens a sliding layer attends to, itself included
     sliding_layers: list[bool] = field(default_factory=list)   # per layer: sliding (True) or global
     rope_local_theta: float | None = None    # RoPE base of the sliding layers
+    nope_layers: list[bool] = field(default_factory=list)   # per layer: no RoPE (SmolLM3's NoPE layers)
     # Granite's multipliers (use_granite): logits divided by this, folded into the final norm's weight at load
     logits_scaling: float | None = None
     granite: dict | None = None              # the multipliers and eps as the checkpoint states them
+
+    def is_nope(self, layer: int) -> bool:
+        return layer < len(self.nope_layers) and self.nope_layers[layer]
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_window) and layer < len(self.sliding_layers) and self.sliding_layers[layer]
@@ -137,6 +143,12 @@ class ModelConfig:
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             name=cfg.get("_name_or_path", ""),
         )
+        if arch == "smollm3":       # no_rope_layers: 1 where a layer uses RoPE
+            use = cfg.get("no_rope_layers") or [int((i + 1) % cfg.get("no_rope_layer_interval", SMOLLM3_NOPE_STEP) != 0)
+                                                for i in range(out.num_layers)]
+            out.nope_layers = [not u for u in use]
+            if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+                raise ValueError("unsupported: SmolLM3 with use_sliding_window")
         if arch == "granite":
             out.use_granite(float(cfg.get("embedding_multiplier", 1.0)), float(cfg.get("residual_multiplier", 1.0)),
                             float(cfg.get("attention_multiplier", 1.0)), float(cfg.get("logits_scaling", 1.0)))

@@ -65,6 +65,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin_signed", torch.cat((-sin, sin), dim=-1), persistent=False)
 
+    @classmethod
+    def identity(cls, head_dim: int, max_positions: int) -> "RotaryEmbedding":
+        """Tables that rotate nothing (cos 1, sin 0): a NoPE layer (SmolLM3) runs every RoPE path unchanged."""
+        rope = cls(head_dim, 10000.0, 1)
+        rope.cos = torch.ones(max_positions, head_dim)
+        rope.sin_signed = torch.zeros(max_positions, head_dim)
+        return rope
+
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, D] cos and signed sin for these positions, broadcastable over heads."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin_signed[positions].unsqueeze(1).to(dtype)

@@ -114,13 +114,14 @@ class LlamaModel(nn.Module):
         self.attention_backend = None      # chosen once at load: set_attention_backend
 
     def make_ropes(self, max_positions: int) -> None:
-        """RoPE tables for every position: one base (scaled as `rope_scaling` says), or (Gemma 3) a second,
-        unscaled one for the sliding layers."""
+        """RoPE tables for every position: one base (scaled as `rope_scaling` says), (Gemma 3) a second,
+        unscaled one for the sliding layers, and (SmolLM3) tables that rotate nothing for its NoPE layers."""
         cfg = self.config
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions, cfg.rope_scaling)
         self.rope_local = (RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta, max_positions)
                            if cfg.rope_local_theta and (cfg.rope_local_theta != cfg.rope_theta or cfg.rope_scaling)
                            else None)
+        self.rope_none = RotaryEmbedding.identity(cfg.head_dim, max_positions) if any(cfg.nope_layers) else None
 
     def set_attention_backend(self, backend) -> None:
         """Install an AttentionBackend (model/backends.py) in every layer, once, at load."""
@@ -156,8 +157,12 @@ class LlamaModel(nn.Module):
             local_tables = local.tables(positions, x.dtype) if local is not None else None
             # sliding layers read their own pool when the runner gave them one (engine/sliding_kv.py)
             sliding_meta = meta.sliding or meta
-            for layer, kv in zip(self.layers[:num_layers], kv_caches):
-                if local is not None and layer.self_attn.window is not None:
+            none = self.rope_none
+            none_tables = none.tables(positions, x.dtype) if none is not None else None
+            for i, (layer, kv) in enumerate(zip(self.layers[:num_layers], kv_caches)):
+                if none is not None and self.config.is_nope(i):
+                    x = layer(x, none, none_tables, kv, meta)
+                elif local is not None and layer.self_attn.window is not None:
                     x = layer(x, local, local_tables, kv, sliding_meta)
                 elif layer.self_attn.window is not None:
                     x = layer(x, self.rope, tables, kv, sliding_meta)

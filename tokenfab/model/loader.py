@@ -18,7 +18,7 @@ import torch
 
 from tokenfab.model.bundled import resolve_model_path
 from tokenfab.model import rope as rope_scalings
-from tokenfab.model.config import GEMMA3_LOCAL_ROPE_THETA, SUPPORTED_ARCHS, ModelConfig
+from tokenfab.model.config import GEMMA3_LOCAL_ROPE_THETA, SMOLLM3_NOPE_STEP, SUPPORTED_ARCHS, ModelConfig
 from tokenfab.model.tokenizer import load_tokenizer
 
 
@@ -178,6 +178,8 @@ def gguf_config(reader, path: str) -> ModelConfig:
         )
         if arch == "gemma3":     # llama.cpp's constants: the pattern, the local base, head_dim ** -0.5
             cfg.use_gemma3(field("gemma3.attention.sliding_window"), None, GEMMA3_LOCAL_ROPE_THETA, None)
+        if arch == "smollm3":    # llama.cpp's constant: no RoPE where (layer + 1) % 4 == 0
+            cfg.nope_layers = [(i + 1) % SMOLLM3_NOPE_STEP == 0 for i in range(cfg.num_layers)]
         if arch == "granite":    # llama.cpp's names for the four multipliers
             cfg.use_granite(float(field("granite.embedding_scale", 1.0)), float(field("granite.residual_scale", 1.0)),
                             float(field("granite.attention.scale", 1.0)), float(field("granite.logit_scale", 1.0)))
@@ -280,7 +282,7 @@ def _gguf_float(t, hf: str, heads: int, cfg: ModelConfig, path: str) -> torch.Te
 
 def _rope_permuted_heads(cfg: ModelConfig, hf_name: str) -> int:
     """How many heads llama.cpp's converter permuted in this tensor (0: not permuted)."""
-    if cfg.arch not in ("llama", "mistral", "granite"):
+    if cfg.arch not in ("llama", "mistral", "granite", "smollm3"):
         return 0
     if ".q_proj." in hf_name:
         return cfg.num_heads

@@ -47,6 +47,7 @@ def hf_config_dict(cfg) -> dict:
         "_name_or_path": cfg.name,
         "torch_dtype": "float32",
         **(cfg.granite or {}),          # Granite: its multipliers and eps as stated (ModelConfig.use_granite)
+        **({"no_rope_layers": [int(not n) for n in cfg.nope_layers]} if any(cfg.nope_layers) else {}),   # SmolLM3
     }
 
 

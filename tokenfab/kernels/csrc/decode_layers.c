@@ -9,7 +9,8 @@
  * and tf_paged_decode_attention_f16, as the layer path runs them for kv_cache_dtype="float16").
  * The bracketed steps run where the layer has those weights (NULL: Llama skips them); Gemma 3 has all
  * of them, `act` 1 (GeGLU) and sliding layers (window > 0) that read the step's second view: their own
- * KV pool's slots and block tables (engine/sliding_kv.py) and the local RoPE tables. */
+ * KV pool's slots and block tables (engine/sliding_kv.py) and the local RoPE tables. NoPE layers (SmolLM3)
+ * read the third: the global metadata with tables that rotate nothing. */
 #include "common.h"
 
 typedef struct {
@@ -42,6 +43,7 @@ typedef struct tf_layer {
     int64_t kv_half;                           /* 1: float16 pools (kv_cache_dtype="float16"; AVX2 builds, D % 64 == 0) */
     tf_qlin qkv_rest;                          /* with qkv_split > 0, qkv's rows from qkv_split on: a projection */
     int64_t qkv_split;                         /* stored in two block types (a Q4_K q/k, a Q6_K v); 0: one layout */
+    int64_t nope;                              /* 1: no RoPE (SmolLM3): view 2, whose tables rotate nothing */
 } tf_layer;
 
 /* What a step's layers read besides their weights: where the new K/V go, the block tables, and RoPE. */
@@ -87,7 +89,7 @@ void tf_decode_layers(float *x, int64_t M, int64_t hidden, int64_t n_layers, con
     float *y = (float *)malloc(sizeof(float) * (size_t)(M * hidden));
     for (int64_t l = 0; l < n_layers; l++) {
         const tf_layer *L = layers + l;
-        const tf_step_view *v = views + (L->window > 0);
+        const tf_step_view *v = views + (L->window > 0 ? 1 : L->nope ? 2 : 0);
         tf_rms_norm(h, x, L->ln1, M, hidden, eps);
         tf_stack_qkv(wide, h, M, hidden, qkv_n, L);
         if (L->q_norm)      /* in place: each row's sum of squares is taken before it is written */
