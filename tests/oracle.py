@@ -106,3 +106,24 @@ def record_steps(llm) -> list:
 
     llm.engine.scheduler.schedule = spy
     return steps
+
+
+def write_gguf_metadata(path, arch: str, fields: dict, tensors: dict | None = None) -> None:
+    """A GGUF file with `arch`'s minimal model keys (1 layer, 64 wide, 4 heads, an 8-token vocabulary, a
+    zero token embedding), then `fields` ("{arch}.x" keys: int -> uint32, float -> float32, str -> string)
+    and `tensors` (name -> numpy array): enough for `gguf_config` to read a file's metadata."""
+    import gguf
+    import numpy as np
+    w = gguf.GGUFWriter(str(path), arch)
+    base = {f"{arch}.block_count": 1, f"{arch}.embedding_length": 64, f"{arch}.feed_forward_length": 128,
+            f"{arch}.attention.head_count": 4, f"{arch}.context_length": 4096}
+    for key, value in {**base, **fields}.items():
+        add = w.add_float32 if isinstance(value, float) else w.add_string if isinstance(value, str) else w.add_uint32
+        add(key, value)
+    w.add_token_list([f"t{i}" for i in range(8)])
+    for name, array in {"token_embd.weight": np.zeros((8, 64), np.float32), **(tensors or {})}.items():
+        w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

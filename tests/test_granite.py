@@ -1,11 +1,10 @@
 """Granite: the Llama decoder with four multipliers (embedding, residual, attention, logits), run through the
 unchanged decoder by carrying the residual stream divided by the residual multiplier (ModelConfig.use_granite),
 checked against transformers' Granite and read from GGUF metadata as llama.cpp names it."""
-import numpy as np
 import pytest
 import torch
 
-from tests.oracle import hf_greedy, make_tiny_model
+from tests.oracle import hf_greedy, make_tiny_model, write_gguf_metadata
 from tokenfab import LLM, SamplingParams, kernels
 from tokenfab.model.config import ModelConfig
 
@@ -45,23 +44,11 @@ def test_granite_multipliers_survive_a_config_round_trip():
 
 
 def test_granite_gguf_metadata(tmp_path):
-    import gguf
-
     from tokenfab.model.loader import gguf_config, open_gguf
     path = tmp_path / "granite.gguf"
-    w = gguf.GGUFWriter(str(path), "granite")
-    for key, value in (("block_count", 1), ("embedding_length", 64), ("feed_forward_length", 128),
-                       ("attention.head_count", 4), ("context_length", 4096)):
-        w.add_uint32(f"granite.{key}", value)
-    for key, value in (("embedding_scale", 12.0), ("residual_scale", 0.25), ("attention.scale", 0.5),
-                       ("logit_scale", 4.0), ("attention.layer_norm_rms_epsilon", 1e-6)):
-        w.add_float32(f"granite.{key}", value)
-    w.add_token_list([f"t{i}" for i in range(8)])
-    w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf_metadata(path, "granite", {"granite.embedding_scale": 12.0, "granite.residual_scale": 0.25,
+                                          "granite.attention.scale": 0.5, "granite.logit_scale": 4.0,
+                                          "granite.attention.layer_norm_rms_epsilon": 1e-6})
     cfg = gguf_config(open_gguf(str(path)), str(path))
     assert (cfg.arch, cfg.embed_scale, cfg.attn_scale, cfg.logits_scaling) == ("granite", 48.0, 0.5, 4.0)
     assert cfg.rms_norm_eps == pytest.approx(1.6e-5)

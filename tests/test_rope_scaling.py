@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.oracle import hf_greedy, make_tiny_model
+from tests.oracle import hf_greedy, make_tiny_model, write_gguf_metadata
 from tokenfab import LLM, SamplingParams
 from tokenfab.model import rope
 from tokenfab.model.config import ModelConfig
@@ -93,26 +93,8 @@ def test_scaled_rope_models_match_transformers_across_the_original_context(kind,
 
 
 def _write_gguf_config(path, extra: dict, rope_freqs=None):
-    import gguf
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(128)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_context_length(4096)
-    w.add_rope_freq_base(10000.0)
-    w.add_token_list([f"t{i}" for i in range(8)])
-    for key, value in extra.items():
-        (w.add_float32 if isinstance(value, float) else w.add_string if isinstance(value, str) else w.add_uint32)(
-            key, value)
-    w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
-    if rope_freqs is not None:
-        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    tensors = {} if rope_freqs is None else {"rope_freqs.weight": np.asarray(rope_freqs, np.float32)}
+    write_gguf_metadata(path, "llama", {"llama.attention.head_count_kv": 2, "llama.rope.freq_base": 10000.0, **extra}, tensors)
 
 
 def test_gguf_rope_scaling_is_read_from_the_file(tmp_path):

@@ -1,10 +1,9 @@
 """SmolLM3: the Llama decoder with no RoPE on every 4th layer, run through every RoPE path with tables that
 rotate nothing (RotaryEmbedding.identity): against transformers' SmolLM3, on the C decode stack and on the
 layer-by-layer torch path, and read from GGUF as llama.cpp does (its constant step of 4)."""
-import numpy as np
 import pytest
 
-from tests.oracle import hf_greedy, make_tiny_model
+from tests.oracle import hf_greedy, make_tiny_model, write_gguf_metadata
 from tokenfab import LLM, SamplingParams, kernels
 
 
@@ -26,20 +25,9 @@ def test_tiny_smollm3_matches_transformers_batched_and_alone(tmp_path, bundled_t
 
 
 def test_smollm3_gguf_takes_llama_cpps_nope_step(tmp_path):
-    import gguf
-
     from tokenfab.model.loader import gguf_config, open_gguf
     path = tmp_path / "smollm3.gguf"
-    w = gguf.GGUFWriter(str(path), "smollm3")
-    for key, value in (("block_count", 8), ("embedding_length", 64), ("feed_forward_length", 128),
-                       ("attention.head_count", 4), ("context_length", 4096)):
-        w.add_uint32(f"smollm3.{key}", value)
-    w.add_token_list([f"t{i}" for i in range(8)])
-    w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf_metadata(path, "smollm3", {"smollm3.block_count": 8})
     cfg = gguf_config(open_gguf(str(path)), str(path))
     assert cfg.arch == "smollm3" and [i for i in range(8) if cfg.is_nope(i)] == [3, 7]
 
