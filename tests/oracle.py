@@ -127,3 +127,19 @@ def write_gguf_metadata(path, arch: str, fields: dict, tensors: dict | None = No
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+FAMILY_PROMPTS = [[5, 17, 300, 4000, 99, 12], list(range(100, 160))]
+
+
+def assert_greedy_matches_transformers(llm, hf, prompts=FAMILY_PROMPTS, new_tokens: int = 24) -> list[list[int]]:
+    """Greedy tokens of `prompts` batched equal transformers' (`hf`), and each prompt alone equals its
+    batched tokens; no KV block stays held. Returns the tokens."""
+    from tokenfab import SamplingParams
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for p, out in zip(prompts, outs):
+        assert out == hf_greedy(hf, p, new_tokens), len(p)
+    assert [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts] == outs
+    assert llm.engine.block_manager.num_used_blocks() == 0
+    return outs

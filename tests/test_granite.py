@@ -4,8 +4,8 @@ checked against transformers' Granite and read from GGUF metadata as llama.cpp n
 import pytest
 import torch
 
-from tests.oracle import hf_greedy, make_tiny_model, write_gguf_metadata
-from tokenfab import LLM, SamplingParams, kernels
+from tests.oracle import FAMILY_PROMPTS, assert_greedy_matches_transformers, make_tiny_model, write_gguf_metadata
+from tokenfab import LLM, kernels
 from tokenfab.model.config import ModelConfig
 
 
@@ -17,15 +17,10 @@ def test_tiny_granite_matches_transformers_batched_and_alone(tmp_path, bundled_t
     llm = LLM(model=str(tmp_path), max_model_len=512, num_kv_blocks=64)
     cfg = llm.engine.model.config
     assert cfg.arch == "granite" and cfg.logits_scaling == 8.0 and cfg.attn_scale == 0.015625
-    prompts = [[5, 17, 300, 4000, 99, 12], list(range(100, 160))]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    for p, out in zip(prompts, outs):
-        assert out == hf_greedy(hf, p, 24)
-    assert [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts] == outs
+    assert_greedy_matches_transformers(llm, hf)
     # the logits too, not only their argmax: logits_scaling divides them
     from tokenfab.model.llama import full_logits
-    ids = prompts[1]
+    ids = FAMILY_PROMPTS[1]
     with torch.inference_mode():
         ref = hf(input_ids=torch.tensor([ids])).logits[0]
     torch.testing.assert_close(full_logits(llm.engine.model, ids), ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))

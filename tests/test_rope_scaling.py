@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.oracle import hf_greedy, make_tiny_model, write_gguf_metadata
-from tokenfab import LLM, SamplingParams
+from tests.oracle import assert_greedy_matches_transformers, make_tiny_model, write_gguf_metadata
+from tokenfab import LLM
 from tokenfab.model import rope
 from tokenfab.model.config import ModelConfig
 
@@ -83,13 +83,7 @@ def test_scaled_rope_models_match_transformers_across_the_original_context(kind,
     llm = LLM(model=str(tmp_path), max_model_len=512, num_kv_blocks=64)
     expected = {"llama3-rope": "llama3", "qwen2-yarn": "yarn", "llama-linear-rope": "linear"}[kind]
     assert llm.engine.model.config.rope_scaling["rope_type"] == expected
-    prompts = [[5, 17, 300, 4000, 99, 12], list(range(100, 190))]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    for p, out in zip(prompts, outs):
-        assert out == hf_greedy(hf, p, 24), (kind, len(p))
-    assert [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts] == outs
-    assert llm.engine.block_manager.num_used_blocks() == 0
+    assert_greedy_matches_transformers(llm, hf, [[5, 17, 300, 4000, 99, 12], list(range(100, 190))])
 
 
 def _write_gguf_config(path, extra: dict, rope_freqs=None):
@@ -134,6 +128,4 @@ def test_gemma3_scales_its_global_layers_rope_only(tmp_path, bundled_tokenizer):
     model = llm.engine.model
     assert model.config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
     assert model.rope_local is not None          # the sliding layers keep an unscaled table
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    for p in ([5, 17, 300, 4000, 99, 12], list(range(100, 160))):
-        assert llm.generate([p], params)[0].outputs[0].token_ids == hf_greedy(hf, p, 16)
+    assert_greedy_matches_transformers(llm, hf, new_tokens=16)

@@ -3,7 +3,8 @@ rotate nothing (RotaryEmbedding.identity): against transformers' SmolLM3, on the
 layer-by-layer torch path, and read from GGUF as llama.cpp does (its constant step of 4)."""
 import pytest
 
-from tests.oracle import hf_greedy, make_tiny_model, write_gguf_metadata
+from tests.oracle import (FAMILY_PROMPTS, assert_greedy_matches_transformers, hf_greedy, make_tiny_model,
+                          write_gguf_metadata)
 from tokenfab import LLM, SamplingParams, kernels
 
 
@@ -15,13 +16,7 @@ def test_tiny_smollm3_matches_transformers_batched_and_alone(tmp_path, bundled_t
     llm = LLM(model=str(tmp_path), max_model_len=512, num_kv_blocks=64)
     model = llm.engine.model
     assert model.config.nope_layers == [False, False, False, True] and model.rope_none is not None
-    prompts = [[5, 17, 300, 4000, 99, 12], list(range(100, 160))]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    for p, out in zip(prompts, outs):
-        assert out == hf_greedy(hf, p, 24)
-    assert [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts] == outs
-    assert llm.engine.block_manager.num_used_blocks() == 0
+    assert_greedy_matches_transformers(llm, hf)
 
 
 def test_smollm3_gguf_takes_llama_cpps_nope_step(tmp_path):
@@ -45,7 +40,7 @@ def test_one_call_decode_stack_runs_the_nope_layers(tmp_path, bundled_tokenizer,
     calls = []
     decode_layers = kernels.decode_layers
     monkeypatch.setattr(kernels, "decode_layers", lambda x, *a, **k: (calls.append(x.shape[0]), decode_layers(x, *a, **k)))
-    prompts = [[5, 17, 300, 4000, 99, 12], list(range(100, 160))]
+    prompts = FAMILY_PROMPTS
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     stacked = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert backend.stack_rows > 0 and calls, "the decodes missed the stack"
