@@ -187,3 +187,24 @@ def test_native_layers_put_in_before_the_float_weights_equal_those_swapped_in_af
     assert isinstance(qkv, Q8_0Linear) and qkv.bias is not None and float(qkv.bias.abs().sum()) > 0
     ids = bundled_tokenizer.encode("The capital of France is")
     assert torch.equal(full_logits(new, ids), full_logits(old, ids))
+
+
+def test_a_model_larger_than_free_memory_is_refused_before_loading_with_the_numbers(bundled_files, monkeypatch):
+    """The weights' bytes (a GGUF file run on its blocks: its size; else every parameter in the dtype) against
+    the device's free memory, before any weight is read."""
+    import os
+
+    from tokenfab import LLM
+    from tokenfab.model.loader import ModelLoadError
+    from tokenfab.worker import memory
+    size = os.path.getsize(bundled_files.path)
+    assert memory.weights_bytes_needed(bundled_files, torch.float32, "auto") == size
+    assert memory.weights_bytes_needed(bundled_files, torch.float32, "none") == bundled_files.config.num_params() * 4
+    monkeypatch.setattr(memory, "available_memory", lambda device: size - 1)
+    with pytest.raises(ModelLoadError, match=r"weights need about 0\.\d GiB .* and cpu has 0\.\d GiB free: use a "
+                                             r"smaller model or a smaller quantization") as e:
+        LLM(loaded=bundled_files, max_model_len=256, num_kv_blocks=16)
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(memory, "available_memory", lambda device: size + (1 << 20))
+    with pytest.raises(ModelLoadError, match="weights need"):      # dequantized to float32: four bytes each
+        LLM(loaded=bundled_files, max_model_len=256, num_kv_blocks=16, quantization="none")

@@ -1,6 +1,7 @@
 """Where a worker's memory goes, and giving back what loading no longer needs.
 
 - `available_memory`: free bytes on the device (the KV pool's and the float copies' shares are of it).
+- `check_fits`: a model whose weights alone exceed the free memory is refused before loading, with the numbers.
 - `memory_breakdown`: bytes by owner (weights, float copies, KV pool), for the log and `tokenfab info`.
 - `float_copy_budget`: the bytes float32 copies of quantized weights may take (EngineConfig's
   `float_cache_memory`, or its automatic rule).
@@ -37,6 +38,32 @@ def available_memory(device: str) -> int:
     except OSError:
         pass
     return 8 << 30
+
+
+def weights_bytes_needed(files, dtype: torch.dtype, quantization: str) -> int:
+    """About the bytes the loaded weights will hold: a GGUF file run on its blocks holds about its size (the
+    blocks as stored or re-packed at 6 bits per weight: at most 4/3 of it); anything else holds every
+    parameter in `dtype` (float checkpoints, dequantized blocks, and float weights quantized after loading)."""
+    import os
+    if files.gguf_raw and quantization in ("auto", "gguf"):
+        return os.path.getsize(files.path)
+    return files.config.num_params() * torch.empty(0, dtype=dtype).element_size()
+
+
+def check_fits(files, dtype: torch.dtype, quantization: str, device: str, tp: int = 1) -> None:
+    """Refuse, before reading any weight, a model whose weights alone exceed the device's free memory: loading
+    it would end in the kernel's OOM killer or in swap, not in a message. On GPUs each of `tp` ranks holds
+    its share; CPU ranks share the host's memory."""
+    from tokenfab.model.loader import ModelLoadError
+    need, free = weights_bytes_needed(files, dtype, quantization), available_memory(device)
+    if device.startswith("cuda"):
+        need //= max(tp, 1)
+    if need > free:
+        raise ModelLoadError(
+            f"{files.path}: its weights need about {need / 2**30:.1f} GiB ({files.config.num_params() / 1e9:.2f} B "
+            f"parameters as {'the file stores them' if files.gguf_raw and quantization in ('auto', 'gguf') else dtype}), "
+            f"and {device} has {free / 2**30:.1f} GiB free: use a smaller model or a smaller quantization "
+            "(a Q4_K_M GGUF, --quantization int4), or free memory")
 
 
 def decode_rows(config, num_speculative_tokens: int = 0) -> int:

@@ -27,7 +27,7 @@ from tokenfab.quant.kernels import KERNEL_ALIASES
 from tokenfab.quant.load import build_model
 from tokenfab.worker.draft_model import build_draft_model, load_draft_files
 from tokenfab.worker.kv_sizing import fit_blocks, kv_pool_blocks, pool_size, sliding_layer_share
-from tokenfab.worker.memory import (available_memory, float_copy_budget, memory_breakdown, process_rss,
+from tokenfab.worker.memory import (available_memory, check_fits, float_copy_budget, memory_breakdown, process_rss,
                                     release_freed_memory)
 from tokenfab.worker.model_runner import ModelRunner
 
@@ -57,6 +57,7 @@ class Worker:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         files = loaded or load_model_files(config.model)
+        check_fits(files, DTYPES[config.dtype], config.quantization, self.device, config.tensor_parallel_size)
         self.model_path, self.model_config, self.tokenizer = files.path, files.config, files.tokenizer
         self.file_dtypes = files.file_dtypes
         self.dtype = DTYPES[config.dtype]
