@@ -56,7 +56,7 @@ TINY_CONFIGS = {
     "smollm3": dict(model_type="smollm3", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True,
                     pad_token_id=None),
-    # Granite's four multipliers, each far from 1 (model/config.py: use_granite)
+    # Granite's four multipliers, each far from 1 (model/families/granite.py)
     "granite": dict(model_type="granite", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True,
                     embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,

@@ -1,5 +1,5 @@
 """Granite: the Llama decoder with four multipliers (embedding, residual, attention, logits), run through the
-unchanged decoder by carrying the residual stream divided by the residual multiplier (ModelConfig.use_granite),
+unchanged decoder by carrying the residual stream divided by the residual multiplier (model/families/granite.py),
 checked against transformers' Granite and read from GGUF metadata as llama.cpp names it."""
 import pytest
 import torch

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenfab.model.bundled import resolve_model_path
+from tokenfab.model import families
 from tokenfab.model import rope as rope_scalings
-from tokenfab.model.config import GEMMA3_LOCAL_ROPE_THETA, SMOLLM3_NOPE_STEP, SUPPORTED_ARCHS, ModelConfig
+from tokenfab.model.bundled import resolve_model_path
+from tokenfab.model.config import ModelConfig
 from tokenfab.model.tokenizer import load_tokenizer
 
 
@@ -79,17 +80,7 @@ class LoadedModel:
     gguf_raw: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
 
 
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-}
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# Gemma's four norms per layer: llama.cpp's ffn_norm is its pre-MLP norm, as for Llama, but HF names that
-# pre_feedforward_layernorm there and keeps post_attention_layernorm for the norm after attention.
-_GGUF_GEMMA3_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
-                            "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 
 
 def gguf_name_to_hf(name: str, arch: str = "llama") -> str:
@@ -97,7 +88,8 @@ def gguf_name_to_hf(name: str, arch: str = "llama") -> str:
     base, _, suffix = name.rpartition(".")
     if base.startswith("blk."):
         _, idx, part = base.split(".", 2)
-        names = _GGUF_GEMMA3_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+        family = families.for_gguf(arch)
+        names = family.gguf_layer_names if family is not None else families.LLAMA_LAYER_NAMES
         if part not in names:
             raise KeyError(name)
         return f"model.layers.{idx}.{names[part]}.{suffix}"
@@ -148,8 +140,9 @@ def gguf_config(reader, path: str) -> ModelConfig:
         return v
 
     arch = field("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ModelLoadError(f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+    family = families.for_gguf(arch)
+    if family is None:
+        raise ModelLoadError(f"{path}: unsupported architecture {arch!r}; supported: {', '.join(families.supported())}")
     try:
         heads = int(field(f"{arch}.attention.head_count"))
         hidden = int(field(f"{arch}.embedding_length"))
@@ -176,13 +169,7 @@ def gguf_config(reader, path: str) -> ModelConfig:
             eos_token_ids=[] if eos is None else [int(eos)],
             name=str(field("general.name", "")),
         )
-        if arch == "gemma3":     # llama.cpp's constants: the pattern, the local base, head_dim ** -0.5
-            cfg.use_gemma3(field("gemma3.attention.sliding_window"), None, GEMMA3_LOCAL_ROPE_THETA, None)
-        if arch == "smollm3":    # llama.cpp's constant: no RoPE where (layer + 1) % 4 == 0
-            cfg.nope_layers = [(i + 1) % SMOLLM3_NOPE_STEP == 0 for i in range(cfg.num_layers)]
-        if arch == "granite":    # llama.cpp's names for the four multipliers
-            cfg.use_granite(float(field("granite.embedding_scale", 1.0)), float(field("granite.residual_scale", 1.0)),
-                            float(field("granite.attention.scale", 1.0)), float(field("granite.logit_scale", 1.0)))
+        family.from_gguf(field, cfg)
         cfg.rope_scaling = _gguf_rope_scaling(reader, field, arch, cfg, path)
         return cfg
     except (TypeError, KeyError) as e:
@@ -282,7 +269,8 @@ def _gguf_float(t, hf: str, heads: int, cfg: ModelConfig, path: str) -> torch.Te
 
 def _rope_permuted_heads(cfg: ModelConfig, hf_name: str) -> int:
     """How many heads llama.cpp's converter permuted in this tensor (0: not permuted)."""
-    if cfg.arch not in ("llama", "mistral", "granite", "smollm3"):
+    family = families.for_gguf(cfg.arch)
+    if family is None or not family.rope_permuted:
         return 0
     if ".q_proj." in hf_name:
         return cfg.num_heads

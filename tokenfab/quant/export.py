@@ -46,7 +46,7 @@ def hf_config_dict(cfg) -> dict:
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "_name_or_path": cfg.name,
         "torch_dtype": "float32",
-        **(cfg.granite or {}),          # Granite: its multipliers and eps as stated (ModelConfig.use_granite)
+        **(cfg.granite or {}),          # Granite: its multipliers and eps as stated (model/families/granite.py)
         **({"no_rope_layers": [int(not n) for n in cfg.nope_layers]} if any(cfg.nope_layers) else {}),   # SmolLM3
     }
 
