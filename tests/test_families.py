@@ -21,7 +21,7 @@ def test_config_json_model_types_resolve_to_their_family(model_type, arch):
 
 
 def test_an_unknown_architecture_is_refused_naming_the_supported_ones():
-    with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2'; supported: llama, .*granite"):
+    with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2'; supported: .*granite, llama, .*smollm3"):
         ModelConfig.from_hf(dict(model_type="gpt2", vocab_size=10, hidden_size=64, intermediate_size=128,
                                  num_hidden_layers=1, num_attention_heads=4))
     assert families.for_gguf("gpt2") is None
