@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 import torch
 
@@ -44,7 +45,6 @@ def weights_bytes_needed(files, dtype: torch.dtype, quantization: str) -> int:
     """About the bytes the loaded weights will hold: a GGUF file run on its blocks holds about its size (the
     blocks as stored or re-packed at 6 bits per weight: at most 4/3 of it); anything else holds every
     parameter in `dtype` (float checkpoints, dequantized blocks, and float weights quantized after loading)."""
-    import os
     if files.gguf_raw and quantization in ("auto", "gguf"):
         return os.path.getsize(files.path)
     return files.config.num_params() * torch.empty(0, dtype=dtype).element_size()

@@ -201,14 +201,26 @@ static inline __attribute__((always_inline)) __m256i tf_q6k_codes(const uint8_t 
 }
 #endif
 
-/* Q4_K / Q5_K's 8 six-bit scales and mins, packed in 12 bytes. */
+/* Q4_K / Q5_K's 8 six-bit scales and mins, packed in 12 bytes, in six 32-bit operations: bytes 0-3 hold
+ * scales 0-3 and (bits 6-7) the high bits of scales 4-7, bytes 4-7 the same for the mins, bytes 8-11 the low
+ * nibbles of scales 4-7 (low nibbles) and of mins 4-7 (high nibbles). Byte j of *sc / *mn is scale / min j,
+ * in registers (tf_kint widens them to floats straight from there). */
+static inline void tf_scale_min_k4_u64(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, hi = 0x30303030u;
+    *sc = (uint64_t)(a & m6) | (uint64_t)((c & m4) | ((a >> 2) & hi)) << 32;
+    *mn = (uint64_t)(b & m6) | (uint64_t)(((c >> 4) & m4) | ((b >> 2) & hi)) << 32;
+}
+
+/* The same as byte arrays (little-endian: byte j is scale / min j). */
 static inline void tf_scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30);
-        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
-    }
+    uint64_t a, b;
+    tf_scale_min_k4_u64(s, &a, &b);
+    memcpy(sc, &a, 8);
+    memcpy(mn, &b, 8);
 }
 
 /* bfloat16 <-> float32 as torch converts them: widening is exact; narrowing rounds to nearest, ties to

@@ -230,19 +230,6 @@ static void tf_kint_prep(const float *x, int64_t K, int16_t *xq, float *dx, int1
     }
 }
 
-/* A Q4_K super-block's 8 six-bit scales (bytes 0-7 of *sc) and mins (*mn), from its 12 packed bytes in six
- * 32-bit operations: bytes 0-3 hold scales 0-3 and (bits 6-7) the high bits of scales 4-7, bytes 4-7 the same
- * for the mins, bytes 8-11 the low nibbles of scales 4-7 and (high nibbles) of mins 4-7 (tf_scale_min_k4). */
-static inline __attribute__((always_inline)) void tf_q4k_scales(const uint8_t *p, uint64_t *sc, uint64_t *mn) {
-    uint32_t a, b, c;
-    memcpy(&a, p, 4);
-    memcpy(&b, p + 4, 4);
-    memcpy(&c, p + 8, 4);
-    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, hi = 0x30303030u;
-    *sc = (uint64_t)(a & m6) | (uint64_t)((c & m4) | ((a >> 2) & hi)) << 32;
-    *mn = (uint64_t)(b & m6) | (uint64_t)(((c >> 4) & m4) | ((b >> 2) & hi)) << 32;
-}
-
 static inline __attribute__((always_inline)) void tf_q4k_row(const int M, float *out, const int16_t *xp,
                                                             const float *dx, const float *xs, int64_t K,
                                                             const uint8_t *row) {
@@ -254,7 +241,7 @@ static inline __attribute__((always_inline)) void tf_q4k_row(const int M, float 
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *blk = row + s * 144;
         uint64_t sc, mn;
-        tf_q4k_scales(blk + 4, &sc, &mn);
+        tf_scale_min_k4_u64(blk + 4, &sc, &mn);
         const __m256 scv = _mm256_mul_ps(_mm256_set1_ps(tf_f16(blk)),
                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc))));
         const __m256 mnv = _mm256_mul_ps(_mm256_set1_ps(tf_f16(blk + 2)),
