@@ -230,7 +230,9 @@ class KernelTable:
         ks = sorted((k for k in registered(layer.weight_format) if k.name in allowed and k.name in e["times"]),
                     key=lambda k: k.rank)
         order = [k.name for k in ks]
-        lossy = {k.name for k in ks if k.lossy}
+        # an opt-in kernel is allowed only when its precision was asked for (int8_activations): it then
+        # competes on time, with TIE_MARGIN, not LOSSY_MARGIN
+        lossy = {k.name for k in ks if k.lossy and not getattr(k, "opt_in", False)}
         if not order:
             return None
         if layer.weight_format == "float":

@@ -13,8 +13,8 @@ measured table (tokenfab/kernels/tuning.py), not here:
   tile multiply, so extra rows (speculative verify, small decode batches) cost little. AMX CPUs only.
 - **qdot**: tf_qdot (csrc/qdot.c), llama.cpp's approach: int8 activation blocks of 32 with their own scale,
   integer dot products against int4 / int8 / Q8_0 / Q4_K / Q6_K blocks (vpdpbusd on VNNI builds,
-  AVX2 maddubs otherwise). Lossy (int8 activations): opt-in (EngineConfig.int8_activations), and then
-  the table needs it LOSSY_MARGIN faster.
+  AVX2 maddubs otherwise); against Q4_K / Q6_K, llama.cpp's int8 blocks of 256 (tf_kint8). Lossy (int8
+  activations): opt-in (EngineConfig.int8_activations), and then chosen where the table measures it faster.
 - **packed**: torch's CPU weight-only kernels, `_weight_int8pack_mm` (int8, one scale per output
   channel) and `_weight_int4pack_mm_for_cpu` (int4 in groups, w = (q - 8) * scale + zero; Q8_0 as two
   int4 halves). They read the quantized bytes directly; activations are rounded to bf16 on the way in
@@ -103,10 +103,11 @@ class QMadd(QGemm):
 class QDot:
     """tf_qdot (tokenfab/kernels/csrc/qdot.c): llama.cpp's approach, int8 activation blocks of 32 with their
     own scale times the stored int4 / int8 / Q8_0 / Q4_K / Q6_K blocks in integer dot products
-    (vpdpbusd with VNNI, AVX2 maddubs otherwise). Opt-in: the int8 activations cost KL 3.5e-3 against
-    float on the bundled model (docs/quant.md), so the table measures and chooses it only with
-    EngineConfig.int8_activations, and then, being lossy, only where it is LOSSY_MARGIN faster than the
-    precise kernels. linear_kernel="qdot" forces it."""
+    (vpdpbusd with VNNI, AVX2 maddubs otherwise); Q4_K / Q6_K against llama.cpp's int8 blocks of 256
+    (tf_kint8). Opt-in: the int8 activations cost KL 3.5e-3 against float on the bundled model and 0.014
+    on Gemma 3 270M's K-quants (docs/quant.md), so the table measures and chooses it only with
+    EngineConfig.int8_activations; that asks for its precision, so it then competes on time
+    (tuning.KernelTable.ranges). linear_kernel="qdot" forces it."""
     name, formats, tune_max_rows, float_copy = "qdot", ("int8", "int4", "q8_0", "q4_k", "q6_k"), 64, False
     rank, lossy, opt_in = 1, True, True
 

@@ -11,8 +11,9 @@ measured table, tokenfab/kernels/tuning.py):
   expanded into 256 floats once per weight row and dotted with up to 8 float32 activation rows (tf_kgemm).
   Also what the one-call decode stack runs.
 - **qmadd** (Q4_K): big batches and prefill, each sub-block expanded as an int4 block (csrc/qmadd.c).
-- **qdot** (opt-in, `int8_activations`): Q4_K and Q6_K blocks times int8 activation blocks in integer
-  dot products (tf_qdot, csrc/qdot.c): 2.9-3.8x faster than qgemm at 1 row, at KL ~+0.003 (docs/quant.md).
+- **qdot** (opt-in, `int8_activations`): Q4_K and Q6_K blocks times llama.cpp's int8 activation blocks of
+  256 in integer dot products (tf_kint8, csrc/kquant.c): 1.1-1.7x faster than qgemm's tf_kint at 1-8 rows on
+  an AVX2 EPYC, at a measured cost in quality (Gemma 3 270M: KL 0.014, docs/quant.md).
 - **float**: expanded once into a float32 oneDNN copy, where the table says it pays and the memory
   budget allows (counted as a float copy).
 - **dequant**: expanded per call (tf_kdequant), then F.linear.

@@ -311,6 +311,9 @@ void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
 int64_t tf_kquant_block_bytes(int64_t type);
 void tf_kdequant(float *out, const uint8_t *raw, int64_t N, int64_t K, int64_t type);
 void tf_kgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *raw, int64_t type);
+#if defined(__AVX2__) && defined(__FMA__)
+TF_HIDDEN void tf_kint8(float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *raw, int64_t type);
+#endif
 /* qdot.c */
 int64_t tf_isa(void);
 void tf_qdot(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const float *d,

@@ -8,7 +8,8 @@
  *   Q5_K (13), 176 bytes: d, dmin, scales[12], qh[32] (fifth bits), qs[128]
  *   Q6_K (14), 210 bytes: ql[128] nibbles, qh[64] 2-bit highs, scales[16] int8, d
  * Q4_K and Q6_K on AVX2 builds run in integers against int16 activation blocks, as tf_qgemm's int4 / int8
- * layouts do (tf_kint below). The other types' activations stay float32: a super-block is expanded into 256 floats
+ * layouts do (tf_kint below), and, for tf_qdot (the opt-in int8 activations), against llama.cpp's int8
+ * blocks of 256 (tf_kint8). The other types' activations stay float32: a super-block is expanded into 256 floats
  * on the stack once per weight row and dotted with up to 8 activation rows while it is in L1. */
 #include "common.h"
 
@@ -363,6 +364,163 @@ static inline __attribute__((always_inline)) void tf_q40_row(const int M, float 
         }
     }
     for (int r = 0; r < M; r++) out[r] = tf_hsum(acc[r]);
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Q4_K and Q6_K against int8 activations, as llama.cpp multiplies them (its Q8_K): each activation row in
+ * blocks of 256, one scale per block (max|x| / 127), int8 values, and their integer sums per 16. A
+ * super-block's dot is then integer from end to end: `vpmaddubsw` (unsigned codes x signed activations, 32
+ * products in one instruction, pairs below 32767) and `vpmaddwd` against the sub-block scales broadcast to
+ * 16 lanes (Q4_K: the 6-bit scale; Q6_K: the signed 8-bit one) sum each sub-block's dot times its scale into
+ * 8 int32 lanes, across the whole super-block; one convert and one FMA per super-block and row apply
+ * d times the activation scale. The offsets (Q4_K's mins, Q6_K's -32) multiply the sums of the same
+ * rounded activations, so the result is W . x~ exactly (x~ the rounded x). The rounding of x is what this
+ * costs against tf_kint's int16 blocks: `tokenfab quant eval --kernel qdot` measures it. */
+static void tf_q8k_prep(const float *x, int64_t K, int8_t *xq, float *dx, int16_t *bs) {
+    for (int64_t s = 0; s < K / 256; s++) {
+        const float *xb = x + s * 256;
+        float amax = 0.f;
+        for (int j = 0; j < 256; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        int8_t *q = xq + s * 256;
+        for (int j = 0; j < 256; j++) q[j] = (int8_t)lrintf(xb[j] * id);
+        dx[s] = amax / 127.f;
+        for (int g = 0; g < 16; g++) {
+            int sum = 0;
+            for (int j = 0; j < 16; j++) sum += q[g * 16 + j];
+            bs[s * 16 + g] = (int16_t)sum;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void tf_q4k8_row(const int M, float *out, const int8_t *xq,
+                                                             const float *dx, const int16_t *bs, int64_t K,
+                                                             const uint8_t *row) {
+    const int64_t nsb = K / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[TF_MAX_ROWS];
+    __m128 accm[TF_MAX_ROWS];
+    for (int r = 0; r < M; r++) {
+        acc[r] = _mm256_setzero_ps();
+        accm[r] = _mm_setzero_ps();
+    }
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *blk = row + s * 144;
+        uint64_t sc, mn;
+        tf_scale_min_k4_u64(blk + 4, &sc, &mn);
+        const float d = tf_f16(blk), dmin = tf_f16(blk + 2);
+        /* the 8 scales as int16, in both 128-bit lanes; sub-block j's broadcast is one byte shuffle */
+        const __m256i scb = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc)));
+        const __m128i mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)mn));
+        /* with more than 2 rows, the super-block's 256 codes and 8 scale vectors go to L1 once: each row then
+         * reads them as memory operands, and its sum stays in one register (held in registers for all rows,
+         * the sums and codes spilled) */
+        __m256i u[8], sv[8];
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + c * 32));
+            u[2 * c] = _mm256_and_si256(v, m4);
+            u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        }
+        for (int j = 0; j < 8; j++) sv[j] = _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
+        for (int r = 0; r < M; r++) {
+            const __m256i *xr = (const __m256i *)(xq + r * K + s * 256);
+            __m256i isum = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++)
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], _mm256_loadu_si256(xr + j)), sv[j]));
+            const float e = dx[r * nsb + s];
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * e), acc[r]);
+            /* sums per 32 = pairs of sums per 16, against the 8 mins */
+            const __m256i b32w = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bs + (r * nsb + s) * 16)),
+                                                   _mm256_set1_epi16(1));
+            const __m128i b32 = _mm_packs_epi32(_mm256_castsi256_si128(b32w), _mm256_extracti128_si256(b32w, 1));
+            accm[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mn16, b32)), _mm_set1_ps(dmin * e), accm[r]);
+        }
+    }
+    for (int r = 0; r < M; r++) {
+        __m128 m = _mm_add_ps(accm[r], _mm_movehl_ps(accm[r], accm[r]));
+        m = _mm_add_ss(m, _mm_movehdup_ps(m));
+        out[r] = tf_hsum(acc[r]) - _mm_cvtss_f32(m);
+    }
+}
+
+static inline __attribute__((always_inline)) void tf_q6k8_row(const int M, float *out, const int8_t *xq,
+                                                             const float *dx, const int16_t *bs, int64_t K,
+                                                             const uint8_t *row) {
+    const int64_t nsb = K / 256;
+    __m256 acc[TF_MAX_ROWS];
+    for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *blk = row + s * 210;
+        const float d = tf_f16(blk + 208);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        __m256i isum[TF_MAX_ROWS];
+        for (int r = 0; r < M; r++) isum[r] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
+            const __m256i sch = _mm256_broadcastsi128_si256(
+                h ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16));
+            for (int j = 0; j < 4; j++) {
+                const __m256i u = tf_q6k_codes(blk, qh, h, j);
+                /* lanes 0-7 (weights 0-15): scale 2j of the half; lanes 8-15: scale 2j + 1 */
+                const __m256i sj = _mm256_shuffle_epi8(
+                    sch, _mm256_set_m128i(_mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * j + 1))),
+                                          _mm_set1_epi16((short)(0x0100 + 0x0202 * (2 * j)))));
+                for (int r = 0; r < M; r++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + s * 256 + h * 128 + j * 32));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), sj));
+                }
+            }
+        }
+        for (int r = 0; r < M; r++) {    /* minus the -32 offset's term: 32 x scale x sum of x~, per 16 */
+            const __m256i off = _mm256_slli_epi32(
+                _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(bs + (r * nsb + s) * 16))), 5);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], off)),
+                                     _mm256_set1_ps(d * dx[r * nsb + s]), acc[r]);
+        }
+    }
+    for (int r = 0; r < M; r++) out[r] = tf_hsum(acc[r]);
+}
+
+typedef struct {
+    const uint8_t *raw;
+    const int8_t *xq;
+    const float *dx;
+    const int16_t *bs;
+    int64_t M, K, type;
+} tf_kint8_job;
+
+static void tf_kint8_cols(const void *job, int64_t n0, int64_t n1, float *y, int64_t ys) {
+    const tf_kint8_job *J = (const tf_kint8_job *)job;
+    const int64_t M = J->M, row_bytes = J->K / 256 * tf_kquant_block_bytes(J->type);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = J->raw + n * row_bytes;
+        for (int64_t l = 0; l < row_bytes; l += 64) __builtin_prefetch(row + 4 * row_bytes + l, 0, 3);
+        float out[TF_MAX_ROWS];
+        if (J->type == TF_Q4_K) {
+            TF_ROWS_SWITCH(tf_q4k8_row, out, J->xq, J->dx, J->bs, J->K, row)
+        } else {
+            TF_ROWS_SWITCH(tf_q6k8_row, out, J->xq, J->dx, J->bs, J->K, row)
+        }
+        for (int64_t r = 0; r < M; r++) y[r * ys + n - n0] = out[r];
+    }
+}
+
+/* y[M, N] = x @ W^T for a Q4_K or Q6_K W against int8 activation blocks of 256 (tf_qdot's K-quant path). */
+void tf_kint8(float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *raw, int64_t type) {
+    if (M > TF_MAX_ROWS) {
+        for (int64_t r0 = 0; r0 < M; r0 += TF_MAX_ROWS)
+            tf_kint8(y + r0 * N, x + r0 * K, M - r0 < TF_MAX_ROWS ? M - r0 : TF_MAX_ROWS, K, N, raw, type);
+        return;
+    }
+    const int64_t nsb = K / 256;
+    const size_t nq = TF_UP64((size_t)(M * K)), nd = TF_UP64((size_t)(M * nsb) * sizeof(float));
+    char *buf = (char *)tf_scratch(nq + nd + TF_UP64((size_t)(M * nsb * 16) * sizeof(int16_t)));
+    int8_t *xq = (int8_t *)buf;
+    float *dx = (float *)(buf + nq);
+    int16_t *bs = (int16_t *)(buf + nq + nd);
+    for (int64_t r = 0; r < M; r++) tf_q8k_prep(x + r * K, K, xq + r * K, dx + r * nsb, bs + r * nsb * 16);
+    const tf_kint8_job job = {raw, xq, dx, bs, M, K, type};
+    tf_cols(tf_kint8_cols, &job, sizeof job, M, N, y);
 }
 
 typedef struct {

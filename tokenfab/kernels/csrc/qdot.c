@@ -6,8 +6,7 @@
  * |x| <= 127, so a pair stays below 32767). Weight formats, as stored:
  *   bits 4 (int4 / Q4_0 / Q4_1 groups): nibbles are the unsigned operand, plus m times the sums of x~
  *   bits 8 (int8 / Q8_0): signed weights; |w| is the unsigned operand and w's sign moves onto x
- *   Q4_K (12): 8 sub-blocks of 32, u8 nibbles, scale d * sc, minus dmin * mn * (sum of x~)
- *   Q6_K (14): 8 runs of 32 (two 16-weight sub-blocks each: per-lane scales), q 0..63, minus 32 * scale * sum x~
+ *   Q4_K (12), Q6_K (14): as llama.cpp, against int8 blocks of 256 with one scale each (tf_kint8, kquant.c)
  * Other K-quants fall back to tf_kgemm. The activations' rounding (relative error ~2^-8 per block) is
  * what this costs against tf_qgemm's int16 blocks; `tokenfab quant eval --kernel qdot` measures it. */
 #include "common.h"
@@ -31,7 +30,7 @@ int64_t tf_isa(void) {
 }
 
 /* x [n] -> int8 blocks of 32 and their scales; xs16: sums per 16 of the rounded x (NULL: not needed).
- * Offsets (int4's m, Q4_K's mins, Q6_K's -32) then multiply the same rounded x as the integer dot does,
+ * Offsets (int4's m) then multiply the same rounded x as the integer dot does,
  * so the result is exactly W . x~ (x~ the rounded activations): float sums of x measured twice the
  * error on random int4 weights, as the large unsigned q . x~ and the offset no longer cancel. */
 static void tf_quantize_i8(const float *x, int64_t n, int8_t *xq, float *dx, float *xs16) {
@@ -144,118 +143,6 @@ static inline __attribute__((always_inline)) void tf_qdot_row(const int M, float
     for (int r = 0; r < M; r++) out[r] = tail[r] + tf_hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
-/* One output row of a Q4_K / Q6_K weight (`row`: its super-blocks) for M activation rows. */
-static inline __attribute__((always_inline)) void tf_kqdot_row(const int M, float *out, const int8_t *xq,
-                                                              const float *dx, const float *xs16, int64_t K,
-                                                              const uint8_t *row, int64_t type) {
-    const int64_t nsb = K / 256, nb = K / 32, bb = tf_kquant_block_bytes(type);
-    __m256 acc[TF_MAX_ROWS];
-    float bias[TF_MAX_ROWS];
-    for (int r = 0; r < M; r++) {
-        acc[r] = _mm256_setzero_ps();
-        bias[r] = 0.f;
-    }
-#ifdef TF_QDOT512
-    __m512 acc512[TF_MAX_ROWS];
-    for (int r = 0; r < M; r++) acc512[r] = _mm512_setzero_ps();
-#endif
-    const __m256i zero = _mm256_setzero_si256(), m4 = _mm256_set1_epi8(0x0F);
-    for (int64_t s = 0; s < nsb; s++) {
-        const uint8_t *blk = row + s * bb;
-        if (type == TF_Q4_K) {
-            const float d = tf_f16(blk), dmin = tf_f16(blk + 2);
-            uint8_t sc[8], mn[8];
-            tf_scale_min_k4(blk + 4, sc, mn);
-#ifdef TF_QDOT512
-            /* sub-blocks 2i and 2i+1 are the low and high nibbles of the same 32 bytes: one 64-byte dot */
-            for (int i = 0; i < 4; i++) {
-                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk + 16 + i * 32));
-                const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, m4)),
-                                                     _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4), 1);
-                const float a0 = d * (float)sc[2 * i], a1 = d * (float)sc[2 * i + 1];
-                const float mm = dmin * (float)mn[2 * i], mm1 = dmin * (float)mn[2 * i + 1];
-                const int64_t b = s * 8 + 2 * i;
-                for (int r = 0; r < M; r++) {
-                    const __m512i xv = _mm512_loadu_si512((const void *)(xq + r * K + b * 32));
-                    const __m512 dot = _mm512_cvtepi32_ps(tf_dpbusd512(u, xv));
-                    acc512[r] = _mm512_fmadd_ps(tf_scale2(a0 * dx[r * nb + b], a1 * dx[r * nb + b + 1]), dot, acc512[r]);
-                    const float *xs = xs16 + r * (K / 16) + 2 * b;
-                    bias[r] += mm * (xs[0] + xs[1]) + mm1 * (xs[2] + xs[3]);
-                }
-            }
-            continue;
-#endif
-            for (int sub = 0; sub < 8; sub++) {
-                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk + 16 + (sub >> 1) * 32));
-                const __m256i u = _mm256_and_si256(sub & 1 ? _mm256_srli_epi16(bytes, 4) : bytes, m4);
-                const float a = d * (float)sc[sub], mm = dmin * (float)mn[sub];
-                const int64_t b = s * 8 + sub;
-                for (int r = 0; r < M; r++) {
-                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * 32));
-                    const __m256 dot = _mm256_cvtepi32_ps(tf_dpbusd(zero, u, xv));
-                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a * dx[r * nb + b]), dot, acc[r]);
-                    bias[r] += mm * (xs16[r * (K / 16) + 2 * b] + xs16[r * (K / 16) + 2 * b + 1]);
-                }
-            }
-        } else {    /* Q6_K: weight h * 128 + j * 32 + l: ql[h * 64 + l + 32 (j & 1)] >> 4 (j >> 1), qh[h * 32 + l] >> 2j */
-            const int8_t *sc = (const int8_t *)(blk + 192);
-            const float d = tf_f16(blk + 208);
-#ifdef TF_QDOT512
-            /* runs j and j+1 of a half: 64 contiguous ql bytes (j even: low nibbles, else high), qh shifted
-             * by 2j and 2j + 2; the 16 lanes take the 4 sub-block scales from sc[h * 8 + 2j] on */
-            const __m512i m4z = _mm512_set1_epi8(0x0F), m2z = _mm512_set1_epi8(3);
-            const __m512i quad = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-            for (int h = 0; h < 2; h++) {
-                const __m256i qh256 = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
-                const __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(qh256), qh256, 1);
-                const __m512i ql = _mm512_loadu_si512((const void *)(blk + h * 64));
-                for (int j = 0; j < 4; j += 2) {
-                    const __m512i lo = _mm512_and_si512(j ? _mm512_srli_epi16(ql, 4) : ql, m4z);
-                    const __m512i cnt = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)),
-                                                           _mm256_set1_epi16((short)(2 * j + 2)), 1);
-                    const __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(qh, cnt), m2z);
-                    const __m512i u = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
-                    const int8_t *sj = sc + h * 8 + 2 * j;
-                    const float s0 = d * (float)sj[0], s1 = d * (float)sj[1], s2 = d * (float)sj[2], s3 = d * (float)sj[3];
-                    const int64_t b = s * 8 + h * 4 + j;
-                    for (int r = 0; r < M; r++) {
-                        const __m512i xv = _mm512_loadu_si512((const void *)(xq + r * K + b * 32));
-                        const __m512 dot = _mm512_cvtepi32_ps(tf_dpbusd512(u, xv));
-                        const float e0 = dx[r * nb + b], e1 = dx[r * nb + b + 1];
-                        const __m512 lane = _mm512_permutexvar_ps(
-                            quad, _mm512_castps128_ps512(_mm_set_ps(s3 * e1, s2 * e1, s1 * e0, s0 * e0)));
-                        acc512[r] = _mm512_fmadd_ps(lane, dot, acc512[r]);
-                        const float *xs = xs16 + r * (K / 16) + 2 * b;
-                        bias[r] += 32.f * (s0 * xs[0] + s1 * xs[1] + s2 * xs[2] + s3 * xs[3]);
-                    }
-                }
-            }
-            continue;
-#endif
-            for (int h = 0; h < 2; h++) {
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
-                for (int j = 0; j < 4; j++) {
-                    const __m256i u = tf_q6k_codes(blk, qh, h, j);
-                    const float sa = d * (float)sc[h * 8 + 2 * j], sb = d * (float)sc[h * 8 + 2 * j + 1];
-                    const int64_t b = s * 8 + h * 4 + j;
-                    for (int r = 0; r < M; r++) {
-                        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * 32));
-                        const __m256 dot = _mm256_cvtepi32_ps(tf_dpbusd(zero, u, xv));
-                        const float e = dx[r * nb + b];
-                        const __m256 lane = _mm256_set_m128(_mm_set1_ps(sb * e), _mm_set1_ps(sa * e));
-                        acc[r] = _mm256_fmadd_ps(lane, dot, acc[r]);
-                        bias[r] += 32.f * (sa * xs16[r * (K / 16) + 2 * b] + sb * xs16[r * (K / 16) + 2 * b + 1]);
-                    }
-                }
-            }
-        }
-    }
-#ifdef TF_QDOT512
-    for (int r = 0; r < M; r++) out[r] = _mm512_reduce_add_ps(acc512[r]) - bias[r];
-#else
-    for (int r = 0; r < M; r++) out[r] = tf_hsum(acc[r]) - bias[r];
-#endif
-}
 #endif
 
 #if !(defined(__AVX2__) && defined(__FMA__))
@@ -269,14 +156,13 @@ static float tf_qdot_scalar_w(const void *q, int64_t bits, int64_t b, int j) {
 /* y[M, N] = x[M, K] @ W^T with int8 activation blocks (layouts as tf_qgemm's). */
 void tf_qdot(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const float *d,
              const float *m, int64_t gs, int64_t bits) {
-    const int kq = bits == TF_Q4_K || bits == TF_Q6_K;
-#if !(defined(__AVX2__) && defined(__FMA__))
-    if (kq) {        /* no vector path: expand as tf_kgemm does (float activations) */
-        tf_kgemm(y, x, M, K, N, (const uint8_t *)q, bits);
+#if defined(__AVX2__) && defined(__FMA__)
+    if (bits == TF_Q4_K || bits == TF_Q6_K) {     /* against int8 blocks of 256 (kquant.c) */
+        tf_kint8(y, x, M, K, N, (const uint8_t *)q, bits);
         return;
     }
 #endif
-    if (tf_kquant_block_bytes(bits) && !kq) {
+    if (tf_kquant_block_bytes(bits)) {      /* other K-quants, and any without AVX2: float activations */
         tf_kgemm(y, x, M, K, N, (const uint8_t *)q, bits);
         return;
     }
@@ -286,8 +172,8 @@ void tf_qdot(float *y, const float *x, int64_t M, int64_t K, int64_t N, const vo
         return;
     }
     const int64_t nb = K / 32;
-    const int64_t G = kq ? 1 : K / gs, bpg = kq ? 1 : gs / 32;
-    const int64_t row_bytes = kq ? K / 256 * tf_kquant_block_bytes(bits) : bits == 4 ? K / 2 : K;
+    const int64_t G = K / gs, bpg = gs / 32;
+    const int64_t row_bytes = bits == 4 ? K / 2 : K;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
     float *xs16 = (float *)malloc(sizeof(float) * (size_t)(M * (K / 16)));
@@ -306,30 +192,24 @@ void tf_qdot(float *y, const float *x, int64_t M, int64_t K, int64_t N, const vo
     for (int64_t n = 0; n < N; n++) {
         const void *qn = (const uint8_t *)q + n * row_bytes;
         float out[TF_MAX_ROWS];
-        if (kq) {
+        const float *dn = d + n * G;
+        float sbuf[bpg == 1 ? 1 : nb];
+        const float *sb = tf_block_scales(dn, G, bpg, sbuf);
 #if defined(__AVX2__) && defined(__FMA__)
-            TF_ROWS_SWITCH(tf_kqdot_row, out, xq, dx, xs16, K, (const uint8_t *)qn, bits)
-#endif
-        } else {
-            const float *dn = d + n * G;
-            float sbuf[bpg == 1 ? 1 : nb];
-            const float *sb = tf_block_scales(dn, G, bpg, sbuf);
-#if defined(__AVX2__) && defined(__FMA__)
-            TF_ROWS_SWITCH(tf_qdot_row, out, xq, dx, dx16, K, nb, qn, sb, bits)
+        TF_ROWS_SWITCH(tf_qdot_row, out, xq, dx, dx16, K, nb, qn, sb, bits)
 #else
-            for (int64_t r = 0; r < M; r++) {
-                float acc = 0.f;
-                for (int64_t b = 0; b < nb; b++) {
-                    int32_t dot = 0;
-                    for (int j = 0; j < 32; j++) dot += (int32_t)tf_qdot_scalar_w(qn, bits, b, j) * xq[r * K + b * 32 + j];
-                    acc += sb[b] * dx[r * nb + b] * (float)dot;
-                }
-                out[r] = acc;
+        for (int64_t r = 0; r < M; r++) {
+            float acc = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                int32_t dot = 0;
+                for (int j = 0; j < 32; j++) dot += (int32_t)tf_qdot_scalar_w(qn, bits, b, j) * xq[r * K + b * 32 + j];
+                acc += sb[b] * dx[r * nb + b] * (float)dot;
             }
-#endif
-            if (bits == 4)
-                for (int64_t r = 0; r < M; r++) out[r] += tf_dot_f32(m + n * G, xs + r * G, G);
+            out[r] = acc;
         }
+#endif
+        if (bits == 4)
+            for (int64_t r = 0; r < M; r++) out[r] += tf_dot_f32(m + n * G, xs + r * G, G);
         for (int64_t r = 0; r < M; r++) y[r * N + n] = out[r];
     }
     free(xq);
