@@ -376,71 +376,69 @@ static inline __attribute__((always_inline)) void tf_q40_row(const int M, float 
  * d times the activation scale. The offsets (Q4_K's mins, Q6_K's -32) multiply the sums of the same
  * rounded activations, so the result is W . x~ exactly (x~ the rounded x). The rounding of x is what this
  * costs against tf_kint's int16 blocks: `tokenfab quant eval --kernel qdot` measures it. */
-static void tf_q8k_prep(const float *x, int64_t K, int8_t *xq, float *dx, int16_t *bs) {
+static void tf_q8k_prep(const float *x, int64_t K, int8_t *xq, float *dx, int16_t *bs, float *xs) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
     for (int64_t s = 0; s < K / 256; s++) {
         const float *xb = x + s * 256;
-        float amax = 0.f;
-        for (int j = 0; j < 256; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        const float id = amax > 0.f ? 127.f / amax : 0.f;
-        int8_t *q = xq + s * 256;
-        for (int j = 0; j < 256; j++) q[j] = (int8_t)lrintf(xb[j] * id);
+        __m256 mx = _mm256_setzero_ps();
+        for (int j = 0; j < 256; j += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + j)));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
         dx[s] = amax / 127.f;
-        for (int g = 0; g < 16; g++) {
-            int sum = 0;
-            for (int j = 0; j < 16; j++) sum += q[g * 16 + j];
-            bs[s * 16 + g] = (int16_t)sum;
+        for (int j = 0; j < 256; j += 32) {     /* round to nearest even, as lrintf; |q| <= 127: no saturation */
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j + 8 * i), id));
+            const __m256i w = _mm256_packs_epi32(q[0], q[1]), z = _mm256_packs_epi32(q[2], q[3]);
+            /* packs interleaves 128-bit lanes: (q0 lo, q1 lo, q0 hi, q1 hi); restore the order */
+            const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w, z), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(xq + s * 256 + j), b);
+            /* sums per 16 (two int16 words): bytes to words in pairs, then pairs of words */
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), b), _mm256_set1_epi16(1));
+            /* p: 8 int32 sums of 4 bytes; the sums of 16 are lanes 0-3 and 4-7 */
+            int32_t t[8];
+            _mm256_storeu_si256((__m256i *)t, p);
+            bs[s * 16 + j / 16] = (int16_t)(t[0] + t[1] + t[2] + t[3]);
+            bs[s * 16 + j / 16 + 1] = (int16_t)(t[4] + t[5] + t[6] + t[7]);
+            xs[s * 8 + j / 32] = dx[s] * (float)(t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7]);
         }
     }
 }
 
 static inline __attribute__((always_inline)) void tf_q4k8_row(const int M, float *out, const int8_t *xq,
-                                                             const float *dx, const int16_t *bs, int64_t K,
+                                                             const float *dx, const float *xs, int64_t K,
                                                              const uint8_t *row) {
     const int64_t nsb = K / 256;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[TF_MAX_ROWS];
-    __m128 accm[TF_MAX_ROWS];
-    for (int r = 0; r < M; r++) {
-        acc[r] = _mm256_setzero_ps();
-        accm[r] = _mm_setzero_ps();
-    }
+    for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *blk = row + s * 144;
         uint64_t sc, mn;
         tf_scale_min_k4_u64(blk + 4, &sc, &mn);
-        const float d = tf_f16(blk), dmin = tf_f16(blk + 2);
+        const __m256 d = _mm256_set1_ps(tf_f16(blk));
+        const __m256 mnv = _mm256_mul_ps(_mm256_set1_ps(tf_f16(blk + 2)),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mn))));
         /* the 8 scales as int16, in both 128-bit lanes; sub-block j's broadcast is one byte shuffle */
         const __m256i scb = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc)));
-        const __m128i mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)mn));
-        /* with more than 2 rows, the super-block's 256 codes and 8 scale vectors go to L1 once: each row then
-         * reads them as memory operands, and its sum stays in one register (held in registers for all rows,
-         * the sums and codes spilled) */
-        __m256i u[8], sv[8];
-        for (int c = 0; c < 4; c++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + c * 32));
-            u[2 * c] = _mm256_and_si256(v, m4);
-            u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        __m256i isum[TF_MAX_ROWS];
+        for (int r = 0; r < M; r++) isum[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + (j >> 1) * 32));
+            const __m256i u = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, m4);
+            const __m256i sv = _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
+            for (int r = 0; r < M; r++)
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(
+                    u, _mm256_loadu_si256((const __m256i *)(xq + r * K + s * 256) + j)), sv));
         }
-        for (int j = 0; j < 8; j++) sv[j] = _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
         for (int r = 0; r < M; r++) {
-            const __m256i *xr = (const __m256i *)(xq + r * K + s * 256);
-            __m256i isum = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j++)
-                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], _mm256_loadu_si256(xr + j)), sv[j]));
-            const float e = dx[r * nsb + s];
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * e), acc[r]);
-            /* sums per 32 = pairs of sums per 16, against the 8 mins */
-            const __m256i b32w = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bs + (r * nsb + s) * 16)),
-                                                   _mm256_set1_epi16(1));
-            const __m128i b32 = _mm_packs_epi32(_mm256_castsi256_si128(b32w), _mm256_extracti128_si256(b32w, 1));
-            accm[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mn16, b32)), _mm_set1_ps(dmin * e), accm[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_broadcast_ss(dx + r * nsb + s)), acc[r]);
+            /* the mins: dmin * mn against the float sums of the rounded x per 32 */
+            acc[r] = _mm256_fnmadd_ps(mnv, _mm256_loadu_ps(xs + (r * nsb + s) * 8), acc[r]);
         }
     }
-    for (int r = 0; r < M; r++) {
-        __m128 m = _mm_add_ps(accm[r], _mm_movehl_ps(accm[r], accm[r]));
-        m = _mm_add_ss(m, _mm_movehdup_ps(m));
-        out[r] = tf_hsum(acc[r]) - _mm_cvtss_f32(m);
-    }
+    for (int r = 0; r < M; r++) out[r] = tf_hsum(acc[r]);
 }
 
 static inline __attribute__((always_inline)) void tf_q6k8_row(const int M, float *out, const int8_t *xq,
@@ -451,7 +449,7 @@ static inline __attribute__((always_inline)) void tf_q6k8_row(const int M, float
     for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *blk = row + s * 210;
-        const float d = tf_f16(blk + 208);
+        const __m256 d = _mm256_set1_ps(tf_f16(blk + 208));
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
         __m256i isum[TF_MAX_ROWS];
         for (int r = 0; r < M; r++) isum[r] = _mm256_setzero_si256();
@@ -475,7 +473,7 @@ static inline __attribute__((always_inline)) void tf_q6k8_row(const int M, float
             const __m256i off = _mm256_slli_epi32(
                 _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(bs + (r * nsb + s) * 16))), 5);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], off)),
-                                     _mm256_set1_ps(d * dx[r * nsb + s]), acc[r]);
+                                     _mm256_mul_ps(d, _mm256_broadcast_ss(dx + r * nsb + s)), acc[r]);
         }
     }
     for (int r = 0; r < M; r++) out[r] = tf_hsum(acc[r]);
@@ -484,7 +482,7 @@ static inline __attribute__((always_inline)) void tf_q6k8_row(const int M, float
 typedef struct {
     const uint8_t *raw;
     const int8_t *xq;
-    const float *dx;
+    const float *dx, *xs;
     const int16_t *bs;
     int64_t M, K, type;
 } tf_kint8_job;
@@ -497,7 +495,7 @@ static void tf_kint8_cols(const void *job, int64_t n0, int64_t n1, float *y, int
         for (int64_t l = 0; l < row_bytes; l += 64) __builtin_prefetch(row + 4 * row_bytes + l, 0, 3);
         float out[TF_MAX_ROWS];
         if (J->type == TF_Q4_K) {
-            TF_ROWS_SWITCH(tf_q4k8_row, out, J->xq, J->dx, J->bs, J->K, row)
+            TF_ROWS_SWITCH(tf_q4k8_row, out, J->xq, J->dx, J->xs, J->K, row)
         } else {
             TF_ROWS_SWITCH(tf_q6k8_row, out, J->xq, J->dx, J->bs, J->K, row)
         }
@@ -514,12 +512,14 @@ void tf_kint8(float *y, const float *x, int64_t M, int64_t K, int64_t N, const u
     }
     const int64_t nsb = K / 256;
     const size_t nq = TF_UP64((size_t)(M * K)), nd = TF_UP64((size_t)(M * nsb) * sizeof(float));
-    char *buf = (char *)tf_scratch(nq + nd + TF_UP64((size_t)(M * nsb * 16) * sizeof(int16_t)));
+    const size_t nb = TF_UP64((size_t)(M * nsb * 16) * sizeof(int16_t)), ns = TF_UP64((size_t)(M * nsb * 8) * sizeof(float));
+    char *buf = (char *)tf_scratch(nq + nd + nb + ns);
     int8_t *xq = (int8_t *)buf;
-    float *dx = (float *)(buf + nq);
+    float *dx = (float *)(buf + nq), *xs = (float *)(buf + nq + nd + nb);
     int16_t *bs = (int16_t *)(buf + nq + nd);
-    for (int64_t r = 0; r < M; r++) tf_q8k_prep(x + r * K, K, xq + r * K, dx + r * nsb, bs + r * nsb * 16);
-    const tf_kint8_job job = {raw, xq, dx, bs, M, K, type};
+    for (int64_t r = 0; r < M; r++)
+        tf_q8k_prep(x + r * K, K, xq + r * K, dx + r * nsb, bs + r * nsb * 16, xs + r * nsb * 8);
+    const tf_kint8_job job = {raw, xq, dx, xs, bs, M, K, type};
     tf_cols(tf_kint8_cols, &job, sizeof job, M, N, y);
 }
 
