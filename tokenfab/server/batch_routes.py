@@ -9,7 +9,6 @@ The work happens in tokenfab.batch (store, runner, service); this module parses 
 """
 from __future__ import annotations
 
-import json
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -17,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenfab.batch.lines import ENDPOINTS
 from tokenfab.batch.service import BatchService
 from tokenfab.batch.store import StoreError
-from tokenfab.server.errors import APIError
+from tokenfab.server.errors import APIError, parse_json_object
 
 router = APIRouter()
 FILE_PURPOSES = ("batch",)
@@ -92,12 +91,7 @@ async def delete_file(request: Request, file_id: str) -> dict:
 # -- batches ------------------------------------------------------------------------------------
 @router.post("/v1/batches")
 async def create_batch(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    body = parse_json_object(await request.body())
     endpoint = body.get("endpoint")
     if endpoint not in ENDPOINTS:
         raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")

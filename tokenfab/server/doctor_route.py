@@ -15,7 +15,7 @@ from collections import deque
 
 from fastapi import FastAPI, Request
 
-from tokenfab.server.errors import APIError
+from tokenfab.server.errors import APIError, parse_json_object
 
 MIN_WINDOW_S = 3.0
 MAX_AGE_S = 120.0
@@ -63,13 +63,7 @@ def add_doctor_route(app: FastAPI, st) -> None:
 
     @app.post("/doctor")
     async def doctor_post(request: Request) -> dict:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise APIError(400, "the body must be JSON: {\"hardware\": NAME, \"bench\": RESULT}",
-                           code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object", code="invalid_json")
+        body = parse_json_object(await request.body())
         bench = body.get("bench")
         if bench is not None and (not isinstance(bench, dict) or bench.get("schema") != "tokenfab.bench.serve"):
             raise APIError(400, "bench must be a `tokenfab bench serve --out` result (schema "

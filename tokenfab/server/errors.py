@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,6 +44,67 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+MAX_JSON_DEPTH = 128      # nesting a body may have: far below Python's recursion limit, which every
+                          # recursive step after parsing (validation, templates, grammars) shares
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if v in (float("inf"), float("-inf")):
+        raise ValueError(f"the number {text[:40]} is beyond float64's range")
+    return v
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """A request body as a JSON object, or an APIError 400 saying what is wrong with it: not UTF-8, not
+    JSON (NaN and Infinity included, which Python's json reads), a number beyond float64 or longer than
+    Python converts, nesting deeper than MAX_JSON_DEPTH, or not an object."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the body is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})",
+                       code="invalid_encoding") from None
+    try:
+        obj = json.loads(text, parse_float=_finite, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                       code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, f"the body nests JSON deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
+    except ValueError as e:     # _finite, _no_constant, or an integer longer than int() takes
+        raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, f"the body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
+    # a \uD800-\uDFFF escape that json.loads did not pair is a lone surrogate: no tokenizer encodes it
+    surrogates = _SURROGATE_ESCAPE.search(text) is not None
+    depth, level = 0, [obj]
+    while level:              # breadth first: no recursion
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"the body nests JSON deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+        items = [x for o in level for x in ((*o.keys(), *o.values()) if isinstance(o, dict) else o)]
+        if surrogates and any(isinstance(x, str) and _lone_surrogate(x) for x in items):
+            raise APIError(400, "the body has a string with a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF "
+                                "escape): not Unicode text", code="invalid_encoding")
+        level = [x for x in items if isinstance(x, (dict, list))]
+    return obj
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
@@ -108,6 +170,12 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             err = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}) or None)
         return err.response()
+
+    @app.exception_handler(RecursionError)
+    async def _recursion(request: Request, exc: RecursionError) -> JSONResponse:
+        # parse_json_object bounds the nesting; this catches what a deep value reaches past it
+        log.warning("%s %s: %s", request.method, request.url.path, exc)
+        return APIError(400, "a value in the request nests too deeply to process", code="invalid_value").response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -10,7 +10,6 @@ every prompt of the request has passed.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from tokenfab.engine.streams import RequestStream
 from tokenfab.outputs import RequestOutput
 from tokenfab.sampling import SamplingParams
 from tokenfab.server.config import ServerConfig
-from tokenfab.server.errors import APIError, from_validation_errors
+from tokenfab.server.errors import APIError, from_validation_errors, parse_json_object
 from tokenfab.server.logprobs import TokenText
 from tokenfab.server.metrics import ServerMetrics
 
@@ -65,19 +64,7 @@ class ServerState:
 
     # -- request checks --------------------------------------------------------------------------
     async def parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
-        raw = await request.body()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise APIError(400, f"the body is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})",
-                           code="invalid_encoding") from None
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise APIError(400, f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
-                           code="invalid_json") from None
-        if not isinstance(obj, dict):
-            raise APIError(400, f"the body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
+        obj = parse_json_object(await request.body())
         try:
             parsed = model.model_validate(obj)
         except ValidationError as e:
