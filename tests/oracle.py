@@ -61,6 +61,17 @@ TINY_CONFIGS = {
                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True,
                     embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
                     logits_scaling=8.0, rms_norm_eps=0.05),   # an eps large enough to matter (it becomes eps / r^2)
+    # Phi-3 / Phi-4-mini: fused qkv and gate_up, RoPE on half of each 16-wide head, longrope over an original
+    # context of 64 (short factors up to 64 positions served, long ones beyond)
+    "phi3": dict(model_type="phi3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=None,
+                 partial_rotary_factor=0.5, original_max_position_embeddings=64,
+                 rope_scaling=dict(type="longrope", short_factor=[1.0, 1.3, 2.2, 3.1], long_factor=[1.5, 4.0, 9.0, 20.0])),
+    "phi3-window": dict(model_type="phi3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=None,
+                        partial_rotary_factor=0.75, original_max_position_embeddings=64, sliding_window=48,
+                        rope_scaling=dict(type="longrope", short_factor=[1.0, 1.1, 1.9, 2.5, 3.0, 3.3],
+                                          long_factor=[1.2, 2.0, 5.0, 11.0, 17.0, 30.0])),
     "llama-linear-rope": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                               rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),

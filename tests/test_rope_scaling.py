@@ -67,10 +67,12 @@ def test_llama_cpp_rope_freqs_give_llama3s_frequencies():
 
 
 def test_unsupported_scalings_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"unsupported rope scaling 'longrope'; supported: .*llama3.*yarn"):
+    with pytest.raises(ValueError, match=r"unsupported rope scaling 'dynamic'; supported: .*llama3.*yarn.*longrope"):
         ModelConfig.from_hf(dict(model_type="llama", vocab_size=10, hidden_size=64, intermediate_size=128,
                                  num_hidden_layers=1, num_attention_heads=4,
-                                 rope_scaling=dict(rope_type="longrope", factor=2.0)))
+                                 rope_scaling=dict(rope_type="dynamic", factor=2.0)))
+    with pytest.raises(ValueError, match="'longrope' needs short_factor"):
+        rope.normalize(dict(rope_type="longrope", factor=2.0), 0)
     with pytest.raises(ValueError, match="needs low_freq_factor"):
         rope.normalize(dict(rope_type="llama3", factor=8.0), 0)
 

@@ -40,6 +40,8 @@ class ModelConfig:
     sliding_layers: list[bool] = field(default_factory=list)   # per layer: sliding (True) or global
     rope_local_theta: float | None = None    # RoPE base of the sliding layers
     nope_layers: list[bool] = field(default_factory=list)   # per layer: no RoPE (SmolLM3's NoPE layers)
+    rotary_dim: int | None = None            # RoPE on this many of a head's dimensions (Phi-3's partial
+                                             # rotary); None: all of them
     # Granite's multipliers (model/families/granite.py): logits divided by this, folded into the final norm's
     # weight at load
     logits_scaling: float | None = None

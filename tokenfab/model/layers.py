@@ -54,14 +54,23 @@ class RotaryEmbedding(nn.Module):
     equals roll(x, half) * [-sin | sin] exactly (only signs move), which is one op instead of four.
     """
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: dict | None = None):
+    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: dict | None = None,
+                 rotary_dim: int | None = None):
         super().__init__()
-        inv_freq, attn = inverse_frequencies(head_dim, theta, scaling)      # model/rope.py
+        rot = rotary_dim or head_dim
+        # the tables hold one position past the longest sequence (the builders pass max_model_len + 1)
+        inv_freq, attn = inverse_frequencies(rot, theta, scaling, max_positions - 1)      # model/rope.py
+        # a partial rotary head (rot < head_dim): its rotated pairs are (j, j + head_dim / 2) for j < rot / 2,
+        # once the loader has moved its q / k rows there (loader.partial_rotary_rows); the other pairs get
+        # frequency 0 and no attention factor, so cos 1 and sin 0 pass them through every RoPE path unchanged
+        pad = head_dim // 2 - inv_freq.numel()
+        scale = torch.cat((torch.full((inv_freq.numel(),), attn), torch.ones(pad)))
+        inv_freq = torch.cat((inv_freq, torch.zeros(pad)))
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.half = head_dim // 2
         cos, sin = torch.cat((freqs, freqs), dim=-1).cos(), freqs.sin()
-        if attn != 1.0:                      # YaRN scales cos and sin (so q . k by attn ** 2)
-            cos, sin = cos * attn, sin * attn
+        if attn != 1.0:                      # YaRN / longrope scale cos and sin (so q . k by attn ** 2)
+            cos, sin = cos * torch.cat((scale, scale)), sin * scale
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin_signed", torch.cat((-sin, sin), dim=-1), persistent=False)
 

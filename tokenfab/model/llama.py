@@ -117,7 +117,7 @@ class LlamaModel(nn.Module):
         """RoPE tables for every position: one base (scaled as `rope_scaling` says), (Gemma 3) a second,
         unscaled one for the sliding layers, and (SmolLM3) tables that rotate nothing for its NoPE layers."""
         cfg = self.config
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions, cfg.rope_scaling)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions, cfg.rope_scaling, cfg.rotary_dim)
         self.rope_local = (RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta, max_positions)
                            if cfg.rope_local_theta and (cfg.rope_local_theta != cfg.rope_theta or cfg.rope_scaling)
                            else None)

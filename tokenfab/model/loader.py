@@ -42,6 +42,11 @@ class LazyWeights(MutableMapping):
     def defer(self, name: str, read: Callable[[], torch.Tensor]) -> None:
         self._items[name] = read
 
+    def reader(self, name: str) -> Callable[[], torch.Tensor]:
+        """What reads `name` (a held tensor: returns it), for a deferred tensor built from it."""
+        v = self._items[name]
+        return (lambda: v) if isinstance(v, torch.Tensor) else v
+
     def __getitem__(self, name: str) -> torch.Tensor:
         v = self._items[name]
         if isinstance(v, torch.Tensor):
@@ -179,7 +184,20 @@ def gguf_config(reader, path: str) -> ModelConfig:
 def _gguf_rope_scaling(reader, field, arch: str, cfg: ModelConfig, path: str) -> dict | None:
     """RoPE scaling as llama.cpp's converter writes it: Llama 3.x's as per-frequency divisors (the tensor
     `rope_freqs.weight`), linear and YaRN as `{arch}.rope.scaling.*` metadata (model/rope.py)."""
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    tensors = {t.name: t for t in reader.tensors if t.name.startswith("rope_")}
+    if "rope_factors_long.weight" in tensors:      # Phi-3's longrope: both factor sets, the original context
+        factors = {k: [float(v) for v in np.asarray(tensors[f"rope_factors_{k.split('_')[0]}.weight"].data).reshape(-1)]
+                   for k in ("long_factor", "short_factor")}
+        orig = field(f"{arch}.rope.scaling.original_context_length")
+        attn = field(f"{arch}.rope.scaling.attn_factor")      # the converter's sqrt(1 + ln(s) / ln(original))
+        s = {"rope_type": "longrope", **factors,
+             "original_max_position_embeddings": int(orig) if orig else cfg.max_position_embeddings,
+             **({"attention_factor": float(attn)} if attn is not None else {})}
+        try:
+            return rope_scalings.normalize(s, cfg.max_position_embeddings)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+    freqs = tensors.get("rope_freqs.weight")
     if freqs is not None:
         return rope_scalings.normalize({"rope_type": "freq_factors",
                                         "factors": [float(v) for v in np.asarray(freqs.data).reshape(-1)]}, 0)
@@ -328,4 +346,46 @@ def load_model_files(model: str | None) -> LoadedModel:
         raise ModelLoadError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
     if not cfg.eos_token_ids and tok.eos_token_id is not None:
         cfg.eos_token_ids = [tok.eos_token_id]
+    to_decoder_layout(cfg, weights, raw)
     return LoadedModel(path=path, config=cfg, weights=weights, tokenizer=tok, file_dtypes=types, gguf_raw=raw)
+
+
+def to_decoder_layout(cfg: ModelConfig, weights, raw: dict) -> None:
+    """A family's tensors in the decoder's names and row order, in place: fused tensors split (Phi-3's
+    qkv_proj, gate_up_proj), then a partial rotary head's q / k rows moved (partial_rotary_rows)."""
+    families.for_gguf(cfg.arch).split_weights(cfg, weights, raw)
+    if cfg.rotary_dim:
+        _move_partial_rotary_rows(cfg, weights, raw)
+
+
+def partial_rotary_rows(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's q / k rows that puts a partial rotary head's rotated pairs where the decoder's
+    full-width rotate-half pairs them: rows [0, r/2) and [r/2, r) (HF pairs j with j + r/2) go to [0, r/2)
+    and [D/2, D/2 + r/2), the D - r passed-through rows fill the rest. q . k is unchanged (the same order
+    on both); RotaryEmbedding gives the moved-in rows frequency 0."""
+    r, d, p = rotary_dim, head_dim, (head_dim - rotary_dim) // 2
+    return torch.cat((torch.arange(0, r // 2), torch.arange(r, r + p), torch.arange(r // 2, r), torch.arange(r + p, d)))
+
+
+def _move_partial_rotary_rows(cfg: ModelConfig, weights, raw) -> None:
+    if cfg.rotary_dim % 2 or (cfg.head_dim - cfg.rotary_dim) % 2:
+        raise ModelLoadError(f"partial rotary on {cfg.rotary_dim} of {cfg.head_dim} dimensions: both must be even")
+    perm = partial_rotary_rows(cfg.head_dim, cfg.rotary_dim)
+
+    def moved(t, heads):
+        rows = t.reshape(heads, cfg.head_dim, *t.shape[1:])[:, perm if isinstance(t, torch.Tensor) else perm.numpy()]
+        return rows.reshape(t.shape)
+
+    for i in range(cfg.num_layers):
+        for proj, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads)):
+            for suffix in ("weight", "bias"):
+                name = f"model.layers.{i}.self_attn.{proj}.{suffix}"
+                if name in raw:
+                    kind, blocks = raw[name]
+                    raw[name] = (kind, np.ascontiguousarray(moved(np.asarray(blocks), heads)))
+                if name not in weights:
+                    continue
+                if isinstance(weights, LazyWeights):
+                    weights.defer(name, lambda read=weights.reader(name), h=heads: moved(read(), h).contiguous())
+                else:
+                    weights[name] = moved(weights[name], heads).contiguous()

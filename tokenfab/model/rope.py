@@ -10,7 +10,12 @@ that type's parameters:
   ramp between the dimensions where a frequency turns `beta_fast` and `beta_slow` times over the original
   context, and cos / sin scaled by `attention_factor` (default 0.1 ln(factor) + 1);
 - "freq_factors": llama.cpp's form of a scaling (a GGUF file's `rope_freqs.weight`, what its converter writes
-  for Llama 3.x): frequency i divided by `factors[i]`.
+  for Llama 3.x): frequency i divided by `factors[i]`;
+- "longrope" (Phi-3 / Phi-4-mini): frequency i divided by `short_factor[i]`, or by `long_factor[i]` when the
+  context served exceeds `original_max_position_embeddings`, and cos / sin scaled by `attention_factor`
+  (default sqrt(1 + ln(factor) / ln(original)), factor = max_position_embeddings / original). transformers picks
+  the set per forward pass from the sequence's length; tokenfab picks it once from the context it serves
+  (max_model_len), as llama.cpp does from its context size, so a sequence's keys never mix the two sets.
 The formulas are the published ones (Meta's Llama 3.1 release, the YaRN paper), written so that they give
 what transformers' `ROPE_INIT_FUNCTIONS` give for the same config (tests/test_rope_scaling.py).
 """
@@ -20,7 +25,7 @@ import math
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors", "longrope")
 
 
 def normalize(scaling: dict | None, max_position_embeddings: int) -> dict | None:
@@ -41,15 +46,25 @@ def normalize(scaling: dict | None, max_position_embeddings: int) -> dict | None
         for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if key not in out:
                 raise ValueError(f"rope scaling 'llama3' needs {key}")
-    if kind == "yarn":
+    if kind in ("yarn", "longrope"):
         out.setdefault("original_max_position_embeddings", max_position_embeddings)
         if not out.get("factor"):
             out["factor"] = max_position_embeddings / out["original_max_position_embeddings"]
+    if kind == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if not out.get(key):
+                raise ValueError(f"rope scaling 'longrope' needs {key}")
+        if out.get("attention_factor") is None:
+            f, old = out["factor"], out["original_max_position_embeddings"]
+            out["attention_factor"] = 1.0 if f <= 1 else math.sqrt(1 + math.log(f) / math.log(old))
     return out
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
-    """(inv_freq float32 [head_dim / 2], the factor cos and sin are multiplied by)."""
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None,
+                        context: int = 0) -> tuple[torch.Tensor, float]:
+    """(inv_freq float32 [head_dim / 2], the factor cos and sin are multiplied by); `context`: the most
+    positions served (longrope's choice of factors). `head_dim` is the rotated width (a partial rotary
+    head's rotary dimensions)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
@@ -64,6 +79,12 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> tu
         return inv / factors, 1.0
     if kind == "llama3":
         return _llama3(inv, scaling), 1.0
+    if kind == "longrope":
+        key = "long_factor" if context > scaling["original_max_position_embeddings"] else "short_factor"
+        factors = torch.as_tensor(scaling[key], dtype=torch.float32)
+        if factors.numel() != inv.numel():
+            raise ValueError(f"longrope's {key} has {factors.numel()} factors for {inv.numel()} frequencies")
+        return inv / factors, float(scaling["attention_factor"])
     return _yarn(head_dim, theta, scaling)
 
 

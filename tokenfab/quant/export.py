@@ -112,6 +112,10 @@ def quantize_to_folder(model: str | None, scheme: str, out: str, *, calib_path: 
     _check_out_dir(out)
     t0 = time.perf_counter()
     files = files or load_model_files(model)
+    if files.config.rotary_dim:
+        raise ValueError(f"{files.path}: tokenfab quant does not write {files.config.arch} checkpoints yet (its q / k "
+                         "rows are held in the decoder's partial-rotary order); quantize it at load instead "
+                         "(--quantization)")
     if is_quantized_checkpoint(files.path):
         raise ValueError(f"{files.path} is already a quantized checkpoint; quantize its float source instead")
     windows: list[list[int]] = []

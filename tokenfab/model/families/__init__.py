@@ -38,6 +38,8 @@ class Family:
     from_gguf: Callable = _nothing              # (field(key, default), ModelConfig): its GGUF metadata, in place
     gguf_layer_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_LAYER_NAMES)
     rope_permuted: bool = False                 # llama.cpp's converter permuted Q/K rows (its Llama RoPE layout)
+    # (ModelConfig, weights, raw GGUF blocks): the family's fused tensors split into the Llama names, in place
+    split_weights: Callable = _nothing
 
 
 _BY_ARCH: dict[str, Family] = {}
@@ -67,4 +69,4 @@ def for_gguf(arch: str | None) -> Family | None:
     return _BY_ARCH.get(arch or "")
 
 
-from tokenfab.model.families import gemma3, granite, llama, qwen, smollm3  # noqa: E402,F401  (they register)
+from tokenfab.model.families import gemma3, granite, llama, phi3, qwen, smollm3  # noqa: E402,F401  (they register)
