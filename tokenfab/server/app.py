@@ -26,6 +26,7 @@ from tokenfab.server.batch_dispatch import call_route
 from tokenfab.server.config import ServerConfig
 from tokenfab.server.doctor_route import add_doctor_route
 from tokenfab.server.errors import APIError, install_error_handlers
+from tokenfab.server.keys import KeyPolicy
 from tokenfab.server.metrics import CONTENT_TYPE, ServerMetrics
 from tokenfab.server.middleware import AccessLog, APIKeyAuth, BodySizeLimit
 from tokenfab.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -90,8 +91,11 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     # add_middleware wraps outside-in in reverse order of the calls: the last added runs first.
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes,
                        path_limits={"/v1/files": config.batch_max_file_bytes + (64 << 10)})   # + multipart framing
-    if config.api_keys:
-        app.add_middleware(APIKeyAuth, api_keys=config.api_keys)
+    policies = [KeyPolicy(k, f"key-{i + 1}") for i, k in enumerate(config.api_keys)] + list(config.key_policies)
+    if policies:
+        metrics.key_policies = policies
+        app.add_middleware(APIKeyAuth, policies=policies, limiter=metrics.key_limiter,
+                           all_routes=config.auth_all_routes)
     if config.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],

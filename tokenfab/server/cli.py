@@ -27,6 +27,12 @@ def add_parser(subparsers) -> None:
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on /v1/* and /tokenize (repeat for several keys; "
                         f"also read from ${API_KEY_ENV})")
+    g.add_argument("--api-keys-file", default=None, metavar="FILE.json",
+                   help='API keys with per-key limits: {"keys": [{"key": ..., "name": ..., "requests_per_minute": '
+                        '..., "tokens_per_minute": ..., "max_tokens": ..., "models": [...], "service_classes": [...]}]} '
+                        "(docs/serving.md)")
+    g.add_argument("--auth-all-routes", action="store_true",
+                   help="require the key on /metrics, /version, /doctor and the web page too (not /health)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients may ask for (default: the model file's name)")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
@@ -100,7 +106,12 @@ def server_config_from_args(args: argparse.Namespace):
     keys = list(args.api_key or [])
     if not keys and os.environ.get(API_KEY_ENV):
         keys = [os.environ[API_KEY_ENV]]
-    config = ServerConfig(host=args.host, port=args.port, api_keys=keys,
+    policies = []
+    if getattr(args, "api_keys_file", None):
+        from tokenfab.server.keys import load_keys_file
+        policies = load_keys_file(args.api_keys_file)
+    config = ServerConfig(host=args.host, port=args.port, api_keys=keys, key_policies=policies,
+                          auth_all_routes=getattr(args, "auth_all_routes", False),
                           served_model_names=list(args.served_model_name or []),
                           max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
                           allowed_origins=list(args.allowed_origins or []), shutdown_timeout=args.shutdown_timeout,
@@ -152,7 +163,7 @@ def serve_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     log = logging.getLogger("tokenfab.server")
-    if server_config.host not in ("127.0.0.1", "localhost", "::1") and not server_config.api_keys:
+    if server_config.host not in ("127.0.0.1", "localhost", "::1") and not (server_config.api_keys or server_config.key_policies):
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                     server_config.host)
 
@@ -176,7 +187,7 @@ def serve_command(args: argparse.Namespace) -> int:
     state = app.state.tokenfab
 
     def ready(url: str) -> None:
-        env = API_KEY_ENV if server_config.api_keys else None
+        env = API_KEY_ENV if server_config.api_keys or server_config.key_policies else None
         print(f"\ntokenfab is serving {state.model_name} at {url} (max_model_len {state.max_model_len}). "
               f"Try:\n\n{curl_example(url, state.model_name, env)}\n", flush=True)
         if server_config.ui:

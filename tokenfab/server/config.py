@@ -10,7 +10,9 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20      # a 128k-token prompt as JSON token ids i
 class ServerConfig:
     host: str = "127.0.0.1"                  # loopback by default: exposing a server is a decision
     port: int = 8000
-    api_keys: list[str] = field(default_factory=list)          # empty: no auth
+    api_keys: list[str] = field(default_factory=list)          # empty (and no key_policies): no auth
+    key_policies: list = field(default_factory=list)           # server/keys.py KeyPolicy: keys with limits
+    auth_all_routes: bool = False            # the key on /metrics, /version and the web page too (not /health)
     served_model_names: list[str] = field(default_factory=list)  # empty: the model file's name
     max_waiting_requests: int | None = 1024  # queued beyond the running batch; more get 429. None: no cap
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenfab.outputs import RequestOutput
+from tokenfab.server.keys import KeyLimiter
 
 PREFIX = "tokenfab:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -86,6 +87,33 @@ class _EngineCollector:
         return dict(self.client.info.config_labels)
 
 
+class _KeyCollector:
+    """Per API key (server/keys.py), labelled by the key's name, never the key: requests let in, requests
+    refused with 429, tokens charged, and the key's limits."""
+
+    def __init__(self, owner: "ServerMetrics") -> None:
+        self.owner = owner
+
+    def collect(self):
+        limiter, policies = self.owner.key_limiter, self.owner.key_policies
+        for name, doc, counts in (("api_key_requests", "Requests let in, by API key name.", limiter.admitted),
+                                  ("api_key_rate_limited", "Requests refused by the key's rate limits (429).",
+                                   limiter.limited),
+                                  ("api_key_tokens", "Prompt and generated tokens charged to the key.",
+                                   limiter.tokens_total)):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["key_name"])
+            for p in policies:
+                c.add_metric([p.name], float(counts[p.name]))
+            yield c
+        g = GaugeMetricFamily(PREFIX + "api_key_limit", "The key's limits (per minute; max_tokens per request).",
+                              labels=["key_name", "limit"])
+        for p in policies:
+            for kind in ("requests_per_minute", "tokens_per_minute", "max_tokens"):
+                if getattr(p, kind) is not None:
+                    g.add_metric([p.name, kind], float(getattr(p, kind)))
+        yield g
+
+
 class ServerMetrics:
     """The registry behind /metrics, and the EngineClient listener that fills its histograms."""
 
@@ -94,6 +122,9 @@ class ServerMetrics:
         self.model_name = model_name
         self.collector = _EngineCollector(client, model_name)
         self.registry.register(self.collector)
+        self.key_limiter = KeyLimiter()
+        self.key_policies: list = []          # set by build_app when the server has keys
+        self.registry.register(_KeyCollector(self))
 
         def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,

@@ -76,15 +76,22 @@ class AccessLog:
 
 
 class APIKeyAuth:
-    """`Authorization: Bearer KEY` on every path but PUBLIC_PATHS, compared in constant time."""
+    """`Authorization: Bearer KEY` on every path but PUBLIC_PATHS (only /health with `all_routes`), compared in
+    constant time; then the key's rate limits (server/keys.py): a 429 with Retry-After and the
+    x-ratelimit-* headers, which every answer to a limited key carries. The key's policy goes into the
+    request's state (`api_key`) for the per-request checks (ServerState.parse); the tokens a request used
+    are charged to its key when it ends (its `access` accounting)."""
 
-    def __init__(self, app, api_keys: list[str]) -> None:
+    def __init__(self, app, policies: list, limiter=None, all_routes: bool = False) -> None:
         self.app = app
-        self.keys = [k.encode() for k in api_keys]
+        self.policies = [(p.key.encode(), p) for p in policies]
+        self.limiter = limiter
+        self.public = ("/health",) if all_routes else PUBLIC_PATHS
+        self.public_prefixes = () if all_routes else PUBLIC_PREFIXES
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.keys or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS" \
-                or scope["path"].startswith(PUBLIC_PREFIXES):
+        if scope["type"] != "http" or not self.policies or scope["path"] in self.public or scope["method"] == "OPTIONS" \
+                or (self.public_prefixes and scope["path"].startswith(self.public_prefixes)):
             return await self.app(scope, receive, send)
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
@@ -92,13 +99,32 @@ class APIKeyAuth:
             return await send_error(send, 401, "missing API key: send the header 'Authorization: Bearer <key>'",
                                     "missing_api_key", [(b"www-authenticate", b"Bearer")])
         # Check every key without stopping early, so the timing does not say which one came close.
-        ok = False
-        for key in self.keys:
-            ok |= hmac.compare_digest(token.strip(), key)
-        if scheme.lower() != b"bearer" or not ok:
+        found = None
+        for key, policy in self.policies:
+            if hmac.compare_digest(token.strip(), key) and found is None:
+                found = policy
+        if scheme.lower() != b"bearer" or found is None:
             return await send_error(send, 401, "invalid API key", "invalid_api_key",
                                     [(b"www-authenticate", b"Bearer")])
-        return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["api_key"] = found
+        if self.limiter is None or (found.requests_per_minute is None and found.tokens_per_minute is None):
+            return await self.app(scope, receive, send)
+        from tokenfab.server.keys import retry_after
+        wait, headers = self.limiter.admit(found)
+        if wait is not None:
+            return await send_error(send, 429, f"rate limit reached for key {found.name!r}; retry in {wait:.1f} s",
+                                    "rate_limit_exceeded", headers + retry_after(wait))
+
+        async def send_with_headers(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *headers]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            access = scope["state"].get("access") or {}
+            self.limiter.charge(found, int(access.get("prompt_tokens") or 0) + int(access.get("output_tokens") or 0))
 
 
 class BodySizeLimit:

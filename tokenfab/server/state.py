@@ -69,11 +69,38 @@ class ServerState:
             parsed = model.model_validate(obj)
         except ValidationError as e:
             raise from_validation_errors(e.errors()) from None
+        key = request.scope.get("state", {}).get("api_key")
+        if key is not None:
+            self._check_key(key, parsed)
         extra = sorted(set(parsed.model_extra or ()) - self._warned_fields)
         if extra:
             self._warned_fields.update(extra)
             log.warning("ignoring request field(s) this server does not use: %s", ", ".join(extra))
         return parsed
+
+    def _check_key(self, key, req) -> None:
+        """The request against its API key's policy (server/keys.py): the models and service classes it may
+        use (403), its largest max_tokens (a larger one given is a 400; none given, the cap)."""
+        model = getattr(req, "model", None)
+        if key.models is not None and model is not None and model not in key.models:
+            raise APIError(403, f"the API key {key.name!r} may not use the model {model!r}; it may use "
+                                f"{', '.join(repr(m) for m in key.models)}", param="model", code="model_not_allowed")
+        if key.service_classes is not None and hasattr(req, "service_tier"):
+            cls = service_class_of(req.service_tier, req.priority, self.config.batch_priority)
+            if cls not in key.service_classes:
+                raise APIError(403, f"the API key {key.name!r} may not send {cls!r} requests (service_tier / "
+                                    f"priority); it may send {', '.join(key.service_classes)}",
+                               param="service_tier", code="service_class_not_allowed")
+        if key.max_tokens is not None and hasattr(req, "max_tokens"):
+            given = [f for f in ("max_completion_tokens", "max_tokens") if f in req.model_fields_set
+                     and getattr(req, f, None) is not None]
+            for field_name in given:
+                v = getattr(req, field_name)
+                if v > key.max_tokens:
+                    raise APIError(400, f"{field_name} is {v}; the API key {key.name!r} allows at most "
+                                        f"{key.max_tokens}", param=field_name, code="max_tokens_over_key_limit")
+            if not given:          # none given (or the API's default, completions' 16): the key's cap
+                req.max_tokens = key.max_tokens
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
