@@ -105,7 +105,9 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, block_size: int, max_positions: int):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # an uninitialised weight: Embedding's own init (normal_) on the meta device imports torch._dynamo
+        # (the loader replaces the weight anyway)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, block_size, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -117,6 +119,10 @@ class LlamaModel(nn.Module):
         """RoPE tables for every position: one base (scaled as `rope_scaling` says), (Gemma 3) a second,
         unscaled one for the sliding layers, and (SmolLM3) tables that rotate nothing for its NoPE layers."""
         cfg = self.config
+        with torch.device("cpu"):       # real tables even while the model is built on the meta device: torch's
+            self._make_ropes(cfg, max_positions)     # meta kernels import torch._dynamo (2 s of every start)
+
+    def _make_ropes(self, cfg: ModelConfig, max_positions: int) -> None:
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions, cfg.rope_scaling, cfg.rotary_dim)
         self.rope_local = (RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta, max_positions)
                            if cfg.rope_local_theta and (cfg.rope_local_theta != cfg.rope_theta or cfg.rope_scaling)
