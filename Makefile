@@ -39,7 +39,7 @@ browser:
 # `test` (what CI runs) leaves out the tests marked slow: every part keeps at least one real
 # end-to-end test in it, and CI stays well inside its 25 minutes on 2 cores. `test-all` runs them too.
 test: install-test browser
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=20
 
 test-all: install-test browser
 	$(PY) -m pytest -q
