@@ -11,6 +11,7 @@ import logging
 import time
 
 from tokenfab.server.errors import error_bytes
+from tokenfab.server.keys import retry_after
 
 access_log = logging.getLogger("tokenfab.access")
 
@@ -109,7 +110,6 @@ class APIKeyAuth:
         scope.setdefault("state", {})["api_key"] = found
         if self.limiter is None or (found.requests_per_minute is None and found.tokens_per_minute is None):
             return await self.app(scope, receive, send)
-        from tokenfab.server.keys import retry_after
         wait, headers = self.limiter.admit(found)
         if wait is not None:
             return await send_error(send, 429, f"rate limit reached for key {found.name!r}; retry in {wait:.1f} s",

@@ -503,13 +503,9 @@ static void tf_kint8_cols(const void *job, int64_t n0, int64_t n1, float *y, int
     }
 }
 
-/* y[M, N] = x @ W^T for a Q4_K or Q6_K W against int8 activation blocks of 256 (tf_qdot's K-quant path). */
+/* y[M <= TF_MAX_ROWS, N] = x @ W^T for a Q4_K or Q6_K W against int8 activation blocks of 256 (tf_qdot's
+ * K-quant path; tf_qdot passes at most TF_MAX_ROWS rows at a time). */
 void tf_kint8(float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *raw, int64_t type) {
-    if (M > TF_MAX_ROWS) {
-        for (int64_t r0 = 0; r0 < M; r0 += TF_MAX_ROWS)
-            tf_kint8(y + r0 * N, x + r0 * K, M - r0 < TF_MAX_ROWS ? M - r0 : TF_MAX_ROWS, K, N, raw, type);
-        return;
-    }
     const int64_t nsb = K / 256;
     const size_t nq = TF_UP64((size_t)(M * K)), nd = TF_UP64((size_t)(M * nsb) * sizeof(float));
     const size_t nb = TF_UP64((size_t)(M * nsb * 16) * sizeof(int16_t)), ns = TF_UP64((size_t)(M * nsb * 8) * sizeof(float));

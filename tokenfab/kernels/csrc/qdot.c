@@ -156,6 +156,11 @@ static float tf_qdot_scalar_w(const void *q, int64_t bits, int64_t b, int j) {
 /* y[M, N] = x[M, K] @ W^T with int8 activation blocks (layouts as tf_qgemm's). */
 void tf_qdot(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const float *d,
              const float *m, int64_t gs, int64_t bits) {
+    if (M > TF_MAX_ROWS) {
+        for (int64_t r0 = 0; r0 < M; r0 += TF_MAX_ROWS)
+            tf_qdot(y + r0 * N, x + r0 * K, M - r0 < TF_MAX_ROWS ? M - r0 : TF_MAX_ROWS, K, N, q, d, m, gs, bits);
+        return;
+    }
 #if defined(__AVX2__) && defined(__FMA__)
     if (bits == TF_Q4_K || bits == TF_Q6_K) {     /* against int8 blocks of 256 (kquant.c) */
         tf_kint8(y, x, M, K, N, (const uint8_t *)q, bits);
@@ -164,11 +169,6 @@ void tf_qdot(float *y, const float *x, int64_t M, int64_t K, int64_t N, const vo
 #endif
     if (tf_kquant_block_bytes(bits)) {      /* other K-quants, and any without AVX2: float activations */
         tf_kgemm(y, x, M, K, N, (const uint8_t *)q, bits);
-        return;
-    }
-    if (M > TF_MAX_ROWS) {
-        for (int64_t r0 = 0; r0 < M; r0 += TF_MAX_ROWS)
-            tf_qdot(y + r0 * N, x + r0 * K, M - r0 < TF_MAX_ROWS ? M - r0 : TF_MAX_ROWS, K, N, q, d, m, gs, bits);
         return;
     }
     const int64_t nb = K / 32;
