@@ -16,11 +16,18 @@ def hf_bundled(bundled_path):
     return load_hf_gguf(bundled_path)
 
 
-def test_bundled_raw_prompts_match_transformers(bundled_llm, hf_bundled):
+@pytest.fixture(scope="module")
+def hf_raw_tokens(bundled_llm, hf_bundled):
+    """transformers' greedy tokens for each raw prompt, by prompt: two tests compare against them."""
+    ids = [bundled_llm.engine.tokenize(p) for p in RAW_PROMPTS]
+    return {p: hf_greedy(hf_bundled, i, NEW_TOKENS) for p, i in zip(RAW_PROMPTS, ids)}
+
+
+def test_bundled_raw_prompts_match_transformers(bundled_llm, hf_raw_tokens):
     outs = bundled_llm.generate(RAW_PROMPTS, GREEDY)
-    for out in outs:
+    for prompt, out in zip(RAW_PROMPTS, outs):
         assert len(out.outputs[0].token_ids) == NEW_TOKENS
-        assert out.outputs[0].token_ids == hf_greedy(hf_bundled, out.prompt_token_ids, NEW_TOKENS)
+        assert out.outputs[0].token_ids == hf_raw_tokens[prompt]
 
 
 def test_bundled_chat_prompts_match_transformers(bundled_llm, hf_bundled, bundled_tokenizer):
@@ -33,14 +40,14 @@ def test_bundled_chat_prompts_match_transformers(bundled_llm, hf_bundled, bundle
 
 
 @pytest.mark.skipif(kernels.f16_pools(64) is not None, reason=f"float16 pools: {kernels.f16_pools(64)}")
-def test_bundled_default_float16_pools_keep_greedy_output_equal_to_transformers(bundled_files, hf_bundled):
+def test_bundled_default_float16_pools_keep_greedy_output_equal_to_transformers(bundled_files, hf_raw_tokens):
     # kv_cache_dtype "auto" is float16 on the cpu backend (the others pin float32): K/V rounded to
     # float16 still leave these prompts' 64 greedy tokens as transformers' float32 ones
     import torch
     llm = LLM(max_model_len=2048, num_kv_blocks=256, quantization="none", loaded=bundled_files)
     assert llm.engine.runner.kv.dtype == torch.float16
-    for out in llm.generate(RAW_PROMPTS, GREEDY):
-        assert out.outputs[0].token_ids == hf_greedy(hf_bundled, out.prompt_token_ids, NEW_TOKENS)
+    for prompt, out in zip(RAW_PROMPTS, llm.generate(RAW_PROMPTS, GREEDY)):
+        assert out.outputs[0].token_ids == hf_raw_tokens[prompt]
     assert llm.engine.block_manager.num_used_blocks() == 0
 
 
