@@ -115,6 +115,23 @@ def test_qmadd_reads_blocks_as_stored_to_the_same_bits_as_its_int4_blocks(tokens
     assert torch.equal(kernels.qmadd(x, *stored.cpu_layout(), 48), kernels.qmadd(x, *blocks.cpu_layout(), 48))
 
 
+@needs_c
+@pytest.mark.parametrize("tokens", [1, 17, 70])
+def test_qmadd_on_q6_k_blocks_gives_qgemms_block_dots_with_rows_independent(tokens):
+    """tf_qmadd expands Q6_K's codes with a scale per sub-block of 16 (no float copy for big batches): the same
+    exact integer dots as qgemm's tf_kint on the same int16 activation blocks, so the two differ only in the
+    order of their float sums; and a row's result does not depend on the rows beside it."""
+    from tokenfab.quant.linear import gguf_linear
+    if "avx2" not in kernels.compiled_features():
+        pytest.skip(f"qmadd needs an AVX2 build; this one is {kernels.isa() or 'the portable C loop'}")
+    raw = random_blocks("Q6_K", 48, 2 * QK, seed=tokens)
+    layout = gguf_linear(raw, "Q6_K", 48, 2 * QK).cpu_layout()
+    x = torch.randn(tokens, 2 * QK, generator=torch.Generator().manual_seed(tokens))
+    y, ref = kernels.qmadd(x, *layout, 48), kernels.qgemm(x, *layout, 48)
+    assert float((y - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    assert torch.equal(kernels.qmadd(x[tokens // 2:], *layout, 48), y[tokens // 2:])
+
+
 @pytest.mark.parametrize("kind,quantize,max_rel_err", [("Q4_K", quantize_q4_k, 0.12), ("Q6_K", quantize_q6_k, 0.03)])
 def test_kquant_quantizers_write_blocks_gguf_reads_back_close_to_the_weights(kind, quantize, max_rel_err):
     w = np.random.default_rng(0).standard_normal((32, 2 * QK)).astype(np.float32)

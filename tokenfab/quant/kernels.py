@@ -80,8 +80,9 @@ class QMadd(QGemm):
     per 2 inputs and 8 outputs. For big batches and prefill chunks on CPUs without AMX bf16 (AVX2 / AVX-512;
     where AMX bf16 runs qbf16, qmadd is not offered), where qgemm's per-row cost is a float32 GEMM's and the
     table took the 4-byte float copy. Its float sums differ from qgemm's in the last bits (UNIFORM_KERNELS,
-    tuning.py). GGUF's Q4_K and Q4_0 run as stored: each block of 32 expands as an int4 block."""
-    name, formats, tune_max_rows, float_copy = "qmadd", ("int8", "int4", "q8_0", "q4_k", "q4_0"), None, False
+    tuning.py). GGUF's Q4_K and Q4_0 run as stored: each block of 32 expands as an int4 block; Q6_K's as its
+    codes, with a scale per sub-block of 16."""
+    name, formats, tune_max_rows, float_copy = "qmadd", ("int8", "int4", "q8_0", "q4_k", "q4_0", "q6_k"), None, False
     rank, lossy = 0, False            # ahead of the float copy on a tie: no copy to keep
     layout, call = "qgemm", "qmadd"   # build_plan shares qgemm's prepared state
 

@@ -14,7 +14,12 @@
  * max|x| / 32767), so every block's integer dot is the same exact integer; y[r, n] = fma over blocks b in
  * order: acc = fma((float)D, fl(s[n, b] * dx[r, b]), acc), then (int4) acc = fma(m[n, g], xs[r, g], acc)
  * over groups g in order (tf_qtile's float steps). A row's result depends on that row alone; it differs
- * from tf_qgemm's (lanes summed in another order) in the last bits. N a multiple of 16. */
+ * from tf_qgemm's (lanes summed in another order) in the last bits. N a multiple of 16.
+ * GGUF's Q6_K (bits TF_Q6_K) runs as stored too: a block of 32 expands to its codes minus 32 (int16), and
+ * its two sub-blocks of 16 keep their own scales d * sc (exact in float32), so a tile sums each half's 8
+ * input pairs apart and takes one convert and one FMA per half (the codes times an int16 activation stay
+ * exact in int32 either way; folding sc into the codes instead could overflow a block's sum). Without it,
+ * Q6_K's big batches took float copies: 1.1 GB of them on a Llama-3.2-1B-shaped Q4_K_M file. */
 #include "common.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -54,12 +59,32 @@ static inline __attribute__((always_inline)) void tf_load_q4k(const uint8_t *row
     w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(c, shift), m4));
 }
 
+/* Block b of a Q6_K row (in super-block b / 8: half h = (b % 8) / 4, run j = b % 4, ggml's order as in
+ * tf_kdecode) as codes - 32: w[0] weights 0..15, w[1] 16..31, int16. */
+static inline __attribute__((always_inline)) void tf_load_q6k(const uint8_t *row, int64_t b, __m256i w[2]) {
+    const uint8_t *blk = row + (b >> 3) * 210;
+    const int h = (int)((b & 7) >> 2), j = (int)(b & 3);
+    const uint8_t *ql = blk + h * 64 + (j & 1) * 32, *qh = blk + 128 + h * 32;
+    const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(3);
+    const __m256i off = _mm256_set1_epi16(32);
+    const __m128i lsh = _mm_cvtsi32_si128(4 * (j >> 1)), hsh = _mm_cvtsi32_si128(2 * j);
+    for (int t = 0; t < 2; t++) {
+        const __m128i l = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(ql + 16 * t)), lsh), m4);
+        const __m128i u = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(qh + 16 * t)), hsh), m2);
+        w[t] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_or_si128(l, _mm_slli_epi16(u, 4))), off);
+    }
+}
+
+/* Scales per block of 32 and output: 1, or Q6_K's 2 (one per sub-block of 16). */
+static inline int64_t tf_qmadd_subs(int64_t bits) { return bits == TF_Q6_K ? 2 : 1; }
+
 static void tf_qmadd_expand(int16_t *buf, int64_t stride, const void *q, const float *d, const float *m,
                             int64_t n0, int64_t np, int64_t nb, int64_t G, int64_t bpg, int64_t bits) {
-    const int64_t row_bytes = bits == TF_Q4_K ? nb / 8 * 144 : bits == TF_Q4_0 ? nb * 18 : bits == 4 ? nb * 16 : nb * 32;
+    const int64_t row_bytes = bits == TF_Q4_K ? nb / 8 * 144 : bits == TF_Q6_K ? nb / 8 * 210
+                              : bits == TF_Q4_0 ? nb * 18 : bits == 4 ? nb * 16 : nb * 32;
     for (int64_t p = 0; p < np; p++) {
         int16_t *w = buf + p * stride;
-        float *sc = (float *)(w + nb * 512), *mo = sc + nb * 16;
+        float *sc = (float *)(w + nb * 512), *mo = sc + nb * 16 * tf_qmadd_subs(bits);
         if (p + 1 < np)           /* the next unit's 16 weight rows, while this one expands (16 strided streams) */
             for (int64_t o = 0; o < 16; o++)
                 for (int64_t l = 0; l < row_bytes; l += 64)
@@ -72,6 +97,8 @@ static void tf_qmadd_expand(int16_t *buf, int64_t stride, const void *q, const f
                     const uint8_t *row = (const uint8_t *)q + (n0 + 16 * p + 8 * h + o) * row_bytes;
                     if (bits == TF_Q4_K)
                         tf_load_q4k(row, b, v);
+                    else if (bits == TF_Q6_K)
+                        tf_load_q6k(row, b, v);
                     else if (bits == TF_Q4_0)
                         tf_load_weights(row + b * 18 + 2, 0, 4, v);   /* block b's 16 code bytes */
                     else
@@ -100,6 +127,15 @@ static void tf_qmadd_expand(int16_t *buf, int64_t stride, const void *q, const f
                     }
                 }
             }
+        else if (bits == TF_Q6_K)  /* per sub-block of 16: scale d * sc */
+            for (int64_t o = 0; o < 16; o++) {
+                const uint8_t *row = (const uint8_t *)q + (n0 + 16 * p + o) * row_bytes;
+                for (int64_t s = 0; s < nb / 8; s++) {
+                    const uint8_t *blk = row + s * 210;
+                    const float dd = tf_f16(blk + 208);
+                    for (int j = 0; j < 16; j++) sc[(s * 16 + j) * 16 + o] = dd * (float)((const int8_t *)(blk + 192))[j];
+                }
+            }
         else if (bits == TF_Q4_0)  /* per block: scale d, offset -8 d */
             for (int64_t o = 0; o < 16; o++) {
                 const uint8_t *row = (const uint8_t *)q + (n0 + 16 * p + o) * row_bytes;
@@ -119,34 +155,38 @@ static void tf_qmadd_expand(int16_t *buf, int64_t stride, const void *q, const f
     }
 }
 
-/* y[r0 .. r0 + R - 1, 16 outputs] from one expanded 16-output unit w (see tf_qmadd_expand). */
-static inline __attribute__((always_inline)) void tf_qmadd_tile(const int R, float *y, int64_t N,
+/* y[r0 .. r0 + R - 1, 16 outputs] from one expanded 16-output unit w (see tf_qmadd_expand); S scales per
+ * block (tf_qmadd_subs), each over 16 / S of its input pairs. */
+static inline __attribute__((always_inline)) void tf_qmadd_tile(const int R, const int S, float *y, int64_t N,
                                                                 const int16_t *w, const int16_t *xq, int64_t K,
                                                                 const float *dx, const float *xs, int64_t nb,
                                                                 int64_t G, int64_t bits) {
-    const float *sc = (const float *)(w + nb * 512), *mo = sc + nb * 16;
+    const float *sc = (const float *)(w + nb * 512), *mo = sc + nb * 16 * S;
     __m256 acc[TF_QMADD_ROWS][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i s[TF_QMADD_ROWS][2];
-        for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
         const int16_t *wb = w + b * 512, *xb = xq + b * 32;
-        for (int i = 0; i < 16; i++) {
-            const __m256i w0 = _mm256_load_si256((const __m256i *)(wb + i * 32));
-            const __m256i w1 = _mm256_load_si256((const __m256i *)(wb + i * 32 + 16));
-            for (int r = 0; r < R; r++) {
-                int32_t pair;
-                memcpy(&pair, xb + r * K + 2 * i, 4);
-                const __m256i xv = _mm256_set1_epi32(pair);
-                s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(w0, xv));
-                s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(w1, xv));
+        for (int t = 0; t < S; t++) {
+            __m256i s[TF_QMADD_ROWS][2];
+            for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+            for (int i = t * 16 / S; i < (t + 1) * 16 / S; i++) {
+                const __m256i w0 = _mm256_load_si256((const __m256i *)(wb + i * 32));
+                const __m256i w1 = _mm256_load_si256((const __m256i *)(wb + i * 32 + 16));
+                for (int r = 0; r < R; r++) {
+                    int32_t pair;
+                    memcpy(&pair, xb + r * K + 2 * i, 4);
+                    const __m256i xv = _mm256_set1_epi32(pair);
+                    s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(w0, xv));
+                    s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(w1, xv));
+                }
             }
-        }
-        const __m256 s0 = _mm256_loadu_ps(sc + b * 16), s1 = _mm256_loadu_ps(sc + b * 16 + 8);
-        for (int r = 0; r < R; r++) {
-            const __m256 f = _mm256_set1_ps(dx[r * nb + b]);
-            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][0]), _mm256_mul_ps(s0, f), acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][1]), _mm256_mul_ps(s1, f), acc[r][1]);
+            const float *st = sc + (b * S + t) * 16;
+            const __m256 s0 = _mm256_loadu_ps(st), s1 = _mm256_loadu_ps(st + 8);
+            for (int r = 0; r < R; r++) {
+                const __m256 f = _mm256_set1_ps(dx[r * nb + b]);
+                acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][0]), _mm256_mul_ps(s0, f), acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][1]), _mm256_mul_ps(s1, f), acc[r][1]);
+            }
         }
     }
     if (bits == 4 || bits == TF_Q4_K || bits == TF_Q4_0)
@@ -168,7 +208,7 @@ static inline __attribute__((always_inline)) void tf_qmadd_tile(const int R, flo
 void tf_qmadd(float *y, const float *x, int64_t M, int64_t K, int64_t N, const void *q, const float *d,
               const float *m, int64_t gs, int64_t bits) {
 #if defined(__AVX2__) && defined(__FMA__)
-    if (bits == TF_Q4_K || bits == TF_Q4_0) gs = 32;   /* one scale and one offset per 32 */
+    if (bits == TF_Q4_K || bits == TF_Q4_0 || bits == TF_Q6_K) gs = 32;   /* the activation blocks; Q6_K has no offsets */
     const int64_t G = K / gs, nb = K / 32, bpg = gs / 32, units = N / 16,
                   offsets = bits == 4 || bits == TF_Q4_K || bits == TF_Q4_0;
     int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
@@ -182,7 +222,8 @@ void tf_qmadd(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
                 for (int64_t k = g * gs; k < (g + 1) * gs; k++) xs[r * G + g] += x[r * K + k];
     }
     /* per 16 outputs: weights, scales, offsets; a multiple of 16 int16 keeps every unit 32-byte aligned */
-    const int64_t stride = (nb * 512 + (nb * 16 + (offsets ? G * 16 : 0)) * 2 + 15) / 16 * 16;
+    const int64_t S = tf_qmadd_subs(bits);
+    const int64_t stride = (nb * 512 + (nb * 16 * S + (offsets ? G * 16 : 0)) * 2 + 15) / 16 * 16;
     int64_t per = TF_QMADD_BLOCK / (stride * 2);
     if (per < 1) per = 1;
 #pragma omp parallel
@@ -201,12 +242,20 @@ void tf_qmadd(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
                 for (int64_t p = 0; p < np; p++) {
                     float *yo = y + r0 * N + 16 * (c + p);
                     const int16_t *w = buf + p * stride;
-                    switch (R) {
-                        case 1: tf_qmadd_tile(1, yo, N, w, xr, K, dr, sr, nb, G, bits); break;
-                        case 2: tf_qmadd_tile(2, yo, N, w, xr, K, dr, sr, nb, G, bits); break;
-                        case 3: tf_qmadd_tile(3, yo, N, w, xr, K, dr, sr, nb, G, bits); break;
-                        default: tf_qmadd_tile(4, yo, N, w, xr, K, dr, sr, nb, G, bits); break;
-                    }
+                    if (S == 2)
+                        switch (R) {
+                            case 1: tf_qmadd_tile(1, 2, yo, N, w, xr, K, dr, sr, nb, G, bits); break;
+                            case 2: tf_qmadd_tile(2, 2, yo, N, w, xr, K, dr, sr, nb, G, bits); break;
+                            case 3: tf_qmadd_tile(3, 2, yo, N, w, xr, K, dr, sr, nb, G, bits); break;
+                            default: tf_qmadd_tile(4, 2, yo, N, w, xr, K, dr, sr, nb, G, bits); break;
+                        }
+                    else
+                        switch (R) {
+                            case 1: tf_qmadd_tile(1, 1, yo, N, w, xr, K, dr, sr, nb, G, bits); break;
+                            case 2: tf_qmadd_tile(2, 1, yo, N, w, xr, K, dr, sr, nb, G, bits); break;
+                            case 3: tf_qmadd_tile(3, 1, yo, N, w, xr, K, dr, sr, nb, G, bits); break;
+                            default: tf_qmadd_tile(4, 1, yo, N, w, xr, K, dr, sr, nb, G, bits); break;
+                        }
                 }
             }
         }
