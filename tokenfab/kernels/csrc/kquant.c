@@ -116,8 +116,8 @@ static inline float tf_dot256(const float *a, const float *b) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* One output row of a K-quant weight (`row`: its super-blocks) for M activation rows (M a constant at
- * each call site): each super-block expanded to 256 floats once, then dotted with every activation row
+/* One output row of a K-quant weight that tf_kint does not read in integers (Q2_K, Q3_K, Q5_K; `row`: its
+ * super-blocks) for M activation rows (M a constant at each call site): each super-block expanded to 256 floats once, then dotted with every activation row
  * into A vector accumulators per row, kept across the super-blocks, so the FMAs form M * A independent
  * chains (one chain per row and super-block, as before, was latency-bound: ~4x slower at 8 rows) and
  * each row is summed horizontally once. A = 4 / 2 / 1 for up to 2 / 4 / 8 rows keeps them in registers. */
@@ -130,63 +130,6 @@ static inline __attribute__((always_inline)) void tf_kgemm_row(const int M, floa
         for (int a = 0; a < A; a++) acc[r][a] = _mm256_setzero_ps();
     for (int64_t s = 0; s < K / 256; s++) {
         const float *xs = x + s * 256;
-        if (type == TF_Q4_K) {
-            /* Q4_K without the float row: each 8 quant bytes give 8 weights of sub-block 2p (low nibbles)
-             * and 8 of 2p + 1 (high), a * q - m in registers, straight into the FMAs */
-            const uint8_t *b = row + s * bb;
-            const float d = tf_f16(b), dmin = tf_f16(b + 2);
-            uint8_t sc[8], mn[8];
-            tf_scale_min_k4(b + 4, sc, mn);
-            const __m256i m4 = _mm256_set1_epi32(0x0F);
-            for (int p = 0; p < 4; p++) {
-                const __m256 alo = _mm256_set1_ps(d * (float)sc[2 * p]), mlo = _mm256_set1_ps(dmin * (float)mn[2 * p]);
-                const __m256 ahi = _mm256_set1_ps(d * (float)sc[2 * p + 1]);
-                const __m256 mhi = _mm256_set1_ps(dmin * (float)mn[2 * p + 1]);
-                for (int l = 0; l < 32; l += 8) {
-                    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 + p * 32 + l)));
-                    const __m256 wlo = _mm256_fmsub_ps(alo, _mm256_cvtepi32_ps(_mm256_and_si256(q, m4)), mlo);
-                    const __m256 whi = _mm256_fmsub_ps(ahi, _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), mhi);
-                    for (int r = 0; r < M; r++) {
-                        const float *xr = xs + r * K + p * 64 + l;
-                        acc[r][0] = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(xr), acc[r][0]);
-                        acc[r][A - 1] = _mm256_fmadd_ps(whi, _mm256_loadu_ps(xr + 32), acc[r][A - 1]);
-                    }
-                }
-            }
-            continue;
-        }
-        if (type == TF_Q6_K) {
-            /* Q6_K the same way: per half of 128, 8 bytes of ql (and of ql + 32) and of qh give 8 weights in
-             * each of its four runs of 32 (tf_kdecode's order and arithmetic, so the same weight values) */
-            const uint8_t *b = row + s * bb;
-            const int8_t *sc = (const int8_t *)(b + 192);
-            const float d = tf_f16(b + 208);
-            const __m256i m4 = _mm256_set1_epi32(0x0F), m3 = _mm256_set1_epi32(3), k32 = _mm256_set1_epi32(32);
-            for (int h = 0; h < 2; h++) {
-                const uint8_t *ql = b + h * 64, *qh = b + 128 + h * 32;
-                for (int l = 0; l < 32; l += 8) {
-                    const int g = h * 8 + (l >> 4);
-                    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + l)));
-                    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 32 + l)));
-                    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + l)));
-                    const __m256i q[4] = {
-                        _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi32(_mm256_and_si256(e, m3), 4)),
-                        _mm256_or_si256(_mm256_and_si256(c, m4),
-                                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(e, 2), m3), 4)),
-                        _mm256_or_si256(_mm256_srli_epi32(a, 4),
-                                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(e, 4), m3), 4)),
-                        _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_slli_epi32(_mm256_srli_epi32(e, 6), 4))};
-                    for (int j = 0; j < 4; j++) {
-                        const __m256 wv = _mm256_mul_ps(_mm256_set1_ps(d * (float)sc[g + 2 * j]),
-                                                        _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], k32)));
-                        for (int r = 0; r < M; r++)
-                            acc[r][j & (A - 1)] = _mm256_fmadd_ps(
-                                wv, _mm256_loadu_ps(xs + r * K + h * 128 + j * 32 + l), acc[r][j & (A - 1)]);
-                    }
-                }
-            }
-            continue;
-        }
         tf_kdecode(row + s * bb, type, w);
         for (int i = 0; i < 256; i += 8 * A)
             for (int a = 0; a < A; a++) {
@@ -285,16 +228,22 @@ static inline __attribute__((always_inline)) void tf_q6k_row(const int M, float 
     for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *blk = row + s * 210;
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        const float d = tf_f16(blk + 208);
+        /* the 16 scales d * sc as two vectors, once per super-block (a scalar convert, multiply and broadcast
+         * per run of 32 made a one-row call 1.5x slower), and both halves unrolled: run j of half h takes
+         * sub-blocks h * 8 + 2j and + 1 into lanes 0-3 and 4-7 by one permute */
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m256 d = _mm256_set1_ps(tf_f16(blk + 208));
+        const __m256 sch[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8))),
+                               _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))))};
+        #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
             for (int j = 0; j < 4; j++) {
                 const __m256i u = tf_q6k_codes(blk, qh, h, j);
                 const __m256i we = _mm256_sub_epi16(_mm256_and_si256(u, lo), off);
                 const __m256i wo = _mm256_sub_epi16(_mm256_srli_epi16(u, 8), off);
-                const __m256 ws = _mm256_set_m128(_mm_set1_ps(d * (float)sc[h * 8 + 2 * j + 1]),
-                                                  _mm_set1_ps(d * (float)sc[h * 8 + 2 * j]));
+                const __m256 ws = _mm256_permutevar8x32_ps(
+                    sch[h], _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1));
                 const int64_t b = s * 8 + h * 4 + j;
                 for (int r = 0; r < M; r++) {
                     const __m256i *xr = (const __m256i *)(xp + r * K + b * 32);
