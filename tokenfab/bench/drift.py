@@ -154,7 +154,7 @@ def judge(windows: list[WindowStats], start_kv_blocks: int | None, th: Threshold
     tail = holds[-th.consecutive:]
     run = [
         _at_most("rss_slope", slope, th.max_rss_slope_mib_per_hour,
-                 f"MiB/hour over {len(fitted)} windows after warm-up"),
+                 f"fitted over the idle RSS of {len(fitted)} windows after warm-up"),
         _regression("p99_ttft", last.p99_ttft_ms, baseline.p99_ttft_ms, th.max_p99_regression),
         _regression("p99_tpot", last.p99_tpot_ms, baseline.p99_tpot_ms, th.max_p99_regression),
         _growth("leaked_kv_blocks", last.kv_used_blocks, start_kv_blocks, th.max_leaked_blocks),
