@@ -178,12 +178,15 @@ def test_short_soak_against_tokenfab_serve_leaks_no_kv_block_and_fails_no_reques
     start = result["start"]
     assert start["source"] == "metrics" and start["kv_used_blocks"] == 0
     for w in windows:
-        assert w["requests"] > 0 and w["latency"]["p99_ttft_ms"] is not None
+        assert w["requests"] > 0
         assert w["failed"] == 0, w["error_messages"]
         s = w["server"]
         assert s["idle"] is True
         assert s["kv_used_blocks"] == start["kv_used_blocks"], f"window {w['index']} left KV blocks held"
         assert s["rss_bytes"] > 0 and s["threads"] >= 1 and s["open_fds"] >= 1
+    assert any(w["latency"]["p99_ttft_ms"] is not None for w in windows)
+    # The draws are seeded: the first six (at least 2 per window go out) hold a hang-up, a structured and a
+    # plain request, however slow the machine.
     kinds = {k for w in windows for k in w["kinds"]}
     assert any(k.endswith("/abort") for k in kinds) and any(k.startswith("structured/") for k in kinds)
     assert any(k.startswith("chat/plain/") or k.startswith("completions/plain/") for k in kinds)
