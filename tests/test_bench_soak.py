@@ -9,9 +9,10 @@ import pytest
 
 from tokenfab.bench.client import ChunkEvent, Endpoint, RawResult
 from tokenfab.bench.datasets import BenchRequest
-from tokenfab.bench.drift import Thresholds
+from tokenfab.bench.drift import Thresholds, judge
+from tokenfab.bench.fake_server import FakeScript, VirtualClockLoop, start_fake_server
 from tokenfab.bench.probe import parse_metrics, read_proc
-from tokenfab.bench.soak import error_status, summarize_window
+from tokenfab.bench.soak import SoakConfig, error_status, run_soak, summarize_window
 from tokenfab.bench.soak_cli import parse_duration
 from tokenfab.bench.soak_mix import SoakMix, SoakRequest, SoakWorkload, make_endpoints, structured_error
 from tokenfab.bench.tokens import load_counter
@@ -159,6 +160,48 @@ def test_bad_flags_get_one_clear_line_and_exit_2(flags, message, capsys):
     assert main(["bench", "soak", "--base-url", "http://127.0.0.1:9", *flags]) == 2
     err = capsys.readouterr().err
     assert "tokenfab bench soak: error:" in err and message in err and "Traceback" not in err
+
+
+# -- the loop, on a virtual clock against the scripted server ------------------------------------
+
+@pytest.fixture
+def vloop():
+    loop = VirtualClockLoop()
+    yield loop
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
+
+
+@pytest.mark.parametrize("rate", [float("inf"), 8.0])
+def test_every_window_times_requests_as_scripted_under_the_cap(vloop, rate):
+    """The scripted server answers 50 ms after a request, then a token every 20 ms: every window must
+    report exactly that, never exceed the cap, and come out as long as asked."""
+    fake, server, url = vloop.run_until_complete(start_fake_server(FakeScript(50.0, 0.0, 20.0, (1,))))
+    mix = SoakMix(chat_fraction=0.5, stream_fraction=1.0, abort_fraction=0.0, structured_fraction=0.0,
+                  input_len="8", long_input_len="24", output_len="4")
+    cfg = SoakConfig(base_url=url, model="fake-model", duration_s=4.0, window_s=1.0, max_concurrency=2,
+                     request_rate=rate, mix=mix, idle_timeout_s=1.0)
+    cfg.validate()
+    counter = load_counter("none")
+    workload = SoakWorkload(mix, counter, make_endpoints(Endpoint(url, "fake-model", stream_usage="continuous")))
+    try:
+        run = vloop.run_until_complete(run_soak(cfg, workload, counter, clock=vloop.time))
+    finally:
+        server.close()
+    assert len(run.windows) == 4 and run.start.source == "none"       # the fake has no /metrics
+    assert fake.stats.max_in_flight <= 2
+    for w in run.windows:
+        assert w.failed == 0 and w.aborted == 0 and w.completed == w.requests > 0
+        assert w.latency["p99_ttft_ms"] == pytest.approx(50.0) and w.latency["p99_tpot_ms"] == pytest.approx(20.0)
+        assert w.latency["p99_e2el_ms"] == pytest.approx(110.0)
+        assert w.output_tokens == 4 * w.completed
+        assert w.load_end_s - w.start_s < 1.0 + 0.111                  # its time, at most one request more
+    if rate == float("inf"):                                            # closed loop: 2 slots, 110 ms each
+        assert all(w.requests == 2 * 10 and w.load_end_s - w.start_s >= 1.0 for w in run.windows)
+    else:                                                               # Poisson at 8/s over 4 s (seeded)
+        assert 16 <= sum(w.requests for w in run.windows) <= 48
+    verdict = judge([w.stats() for w in run.windows], run.start.kv_used_blocks, cfg.thresholds)
+    assert verdict.passed
 
 
 # -- end to end ----------------------------------------------------------------------------------
