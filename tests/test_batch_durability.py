@@ -159,3 +159,12 @@ def test_store_opens_its_own_database_again(tmp_path):
         fid = store.add_file("in.jsonl", "batch", b"{}\n")["id"]
     with contextlib.closing(BatchStore(tmp_path)) as store:             # the column check accepts our own schema
         assert store.get_file(fid)["bytes"] == 3
+
+
+def test_serve_refuses_a_data_dir_that_is_a_file_with_one_line(tmp_path):
+    path = tmp_path / "not-a-dir"
+    path.write_text("x")
+    out = subprocess.run([sys.executable, "-m", "tokenfab", "serve", "--port", str(free_port()), "--no-ui",
+                          "--data-dir", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"tokenfab serve: error: --data-dir {path}:" in out.stderr
+    assert "Traceback" not in out.stderr
