@@ -117,3 +117,54 @@ def test_offline_runner_killed_mid_file_resumes_with_exactly_one_result_per_line
     assert [r["custom_id"] for r in records] == [f"req-{i}" for i in range(N)]
     assert all(r["response"]["status_code"] == 200 for r in records) and not side.exists()
     os.remove(out)
+
+
+# -- a data dir that is not ours: refused at start, naming the file, before the model loads ------------
+
+def corrupt(path) -> None:
+    path.write_bytes(b"SQLite format 3\x00" + os.urandom(200))          # a torn header, then noise
+
+
+def foreign(path) -> None:
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE files (name TEXT, owner TEXT)")             # another program's 'files'
+    db.commit()
+    db.close()
+
+
+def stranger(path) -> None:
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE users (id INTEGER)")                         # none of ours at all
+    db.commit()
+    db.close()
+
+
+@pytest.mark.parametrize("spoil, says", [(corrupt, "SQLite says"), (foreign, "table 'files' has columns name, owner"),
+                                         (stranger, "holds tables (users)")])
+def test_serve_refuses_a_corrupt_or_foreign_database_in_the_data_dir_with_one_line(tmp_path, spoil, says):
+    db = tmp_path / "batch.sqlite"
+    spoil(db)
+    before = db.read_bytes()
+    out = subprocess.run([sys.executable, "-m", "tokenfab", "serve", "--port", str(free_port()), "--no-ui",
+                          "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"tokenfab serve: error: {db} is not a tokenfab batch store" in out.stderr and says in out.stderr
+    assert "Traceback" not in out.stderr and "--data-dir" in out.stderr
+    assert db.read_bytes() == before                                        # nothing written into it
+
+
+def test_store_opens_its_own_database_again(tmp_path):
+    from tokenfab.batch.store import BatchStore
+    with contextlib.closing(BatchStore(tmp_path)) as store:
+        fid = store.add_file("in.jsonl", "batch", b"{}\n")["id"]
+    with contextlib.closing(BatchStore(tmp_path)) as store:             # the column check accepts our own schema
+        assert store.get_file(fid)["bytes"] == 3
+
+
+def test_serve_refuses_a_data_dir_that_is_a_file_with_one_line(tmp_path):
+    path = tmp_path / "not-a-dir"
+    path.write_text("x")
+    out = subprocess.run([sys.executable, "-m", "tokenfab", "serve", "--port", str(free_port()), "--no-ui",
+                          "--data-dir", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"tokenfab serve: error: --data-dir {path}:" in out.stderr
+    assert "Traceback" not in out.stderr

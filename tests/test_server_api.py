@@ -293,3 +293,24 @@ def test_metrics_parse_with_design_names_and_counters_move(http, client, model, 
     engine = bundled_llm.engine                  # the thread count the steps run on now, whoever set it
     threads = engine.thread_controller.threads if engine.thread_controller else engine.stats().num_threads
     assert after["tokenfab:engine_num_threads"] == threads >= 1
+
+
+def test_metrics_show_the_process_and_the_kv_blocks_held(http, client, model, bundled_llm):
+    """What a soak watches for drift: the server process's memory, threads and descriptors, and the KV
+    blocks held, which fall back to 0 once no request is in flight."""
+    from tokenfab.worker.memory import process_rss
+    body = {"model": model, "prompt": "Counting: one, two,", "max_tokens": 48, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        held = None
+        for line in r.iter_lines():
+            if held is None and line.startswith("data: "):     # mid-stream: the request holds its blocks
+                held = scrape(http)["tokenfab:kv_cache_used_blocks"]
+    assert held is not None and held >= 1
+    m = scrape(http)
+    assert m["tokenfab:kv_cache_used_blocks"] == 0
+    assert m["tokenfab:kv_cache_num_blocks"] == bundled_llm.engine.block_manager.num_blocks
+    rss = process_rss()                          # the server runs in this process
+    if rss is None:
+        pytest.skip("no /proc: the process families are not exported here")
+    assert abs(m["process_resident_memory_bytes"] - rss) < 0.1 * rss
+    assert m["process_open_fds"] >= 3 and m["process_threads"] >= 2   # the engine runs on a thread of its own

@@ -7,6 +7,10 @@ Every line's result is one committed row keyed by (batch, line) and inserted wit
 a restart that runs the lines without a row cannot produce a second result for any line: that is the
 whole crash-durability argument. `synchronous=FULL` makes a commit survive power loss as well as a
 killed process. Objects come back as the dicts OpenAI's API returns (`file`, `batch`).
+
+A `batch.sqlite` that is not SQLite (corrupt, or some other file), or SQLite whose tables are not these
+(another program's database), is refused when the store opens, with a StoreOpenError naming the file:
+the server must not start on it, and must not write into it.
 """
 from __future__ import annotations
 
@@ -44,6 +48,34 @@ class StoreError(ValueError):
         self.status, self.code, self.param = status, code, param
 
 
+# The columns of each table, in order, as _SCHEMA creates them: what an existing file must hold.
+_COLUMNS = {"files": ["id", "filename", "purpose", "bytes", "created_at"],
+            "batches": ["seq", "id", "status", "obj"],
+            "results": ["batch_id", "line", "is_error", "record"]}
+
+
+class StoreOpenError(ValueError):
+    """The data dir's database cannot be used: not SQLite, or another program's tables."""
+
+
+def _check_tables(db: sqlite3.Connection, path: Path) -> None:
+    """Before anything is written: every table present must be one of ours, with our columns."""
+    tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' "
+                                       "AND name NOT LIKE 'sqlite_%' ORDER BY name")]
+    strangers = [t for t in tables if t not in _COLUMNS]
+    if strangers:
+        raise StoreOpenError(f"{path} is not a tokenfab batch store: it holds tables ({', '.join(strangers)}) "
+                             "tokenfab never creates; it belongs to something else. Move it aside, or pass "
+                             "another --data-dir")
+    for table in tables:
+        want = _COLUMNS[table]
+        got = [row[1] for row in db.execute(f"PRAGMA table_info({table})")]
+        if got != want:
+            raise StoreOpenError(f"{path} is not a tokenfab batch store: its table {table!r} has columns "
+                                 f"{', '.join(got)} where tokenfab expects {', '.join(want)}; it belongs to "
+                                 "something else. Move it aside, or pass another --data-dir")
+
+
 class BatchStore:
     def __init__(self, data_dir: str | os.PathLike, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
                  max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES) -> None:
@@ -52,10 +84,20 @@ class BatchStore:
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self.max_file_bytes, self.max_total_bytes = max_file_bytes, max_total_bytes
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.dir / "batch.sqlite", check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
+        path = self.dir / "batch.sqlite"
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        try:
+            _check_tables(self._db, path)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as e:
+            self._db.close()
+            raise StoreOpenError(f"{path} is not a tokenfab batch store: SQLite says {e!s}. Move it aside (or "
+                                 "restore it from a backup), or pass another --data-dir") from None
+        except StoreOpenError:
+            self._db.close()
+            raise
 
     def close(self) -> None:
         with self._lock:

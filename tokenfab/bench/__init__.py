@@ -15,5 +15,12 @@ llama.cpp's server) and reports the metrics exactly as vLLM's `bench serve` defi
   schema.py     the JSON result: its stable layout, writing and loading
   report.py     rich tables;  plots.py  PNG plots;  compare.py  runs side by side
   offline.py    `bench offline`: prefill and decode tok/s of the in-process engine
+
+`tokenfab bench soak` runs a mixed load for hours, in windows, and judges the drift:
+  soak_mix.py   the request mix: chat/completions, streamed or not, short/long, hang-ups, structured output
+  soak.py       the windows: dispatch, drain, an idle sample of the server, a summary per window
+  probe.py      the server's RSS, threads, descriptors and KV blocks in use, from /metrics or /proc
+  drift.py      windows in, verdict out: RSS slope, P99 against the baseline, leaked blocks, errors
+  soak_cli.py   the handler: flags to config, live lines, tables, JSON, plot, exit code
   fake_server.py  a scripted OpenAI-compatible server with known timing, for tests and self-checks
 """

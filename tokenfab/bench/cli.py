@@ -1,4 +1,5 @@
-"""`tokenfab bench serve | compare | offline`: the argument parsers and their handlers.
+"""`tokenfab bench serve | soak | compare | offline`: the argument parsers and their handlers
+(`bench soak`'s handler is soak_cli.py).
 
 Registering the parsers imports nothing heavy; each handler imports what it needs.
 """
@@ -18,11 +19,13 @@ def _csv(kind):
 
 
 def add_parser(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="benchmark a server (serve), compare results, or the engine (offline)",
+    bench = subparsers.add_parser("bench", help="benchmark a server (serve), soak-test it (soak), compare results, "
+                                  "or the engine (offline)",
                                   description="Benchmark an OpenAI-compatible server or the in-process engine.")
     subs = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     _serve_parser(subs)
+    _soak_parser(subs)
     _compare_parser(subs)
     _offline_parser(subs)
 
@@ -84,6 +87,79 @@ def _serve_parser(subs) -> None:
     g.add_argument("--no-requests", action="store_true", help="leave per-request records out of the JSON")
     g.add_argument("--no-progress", action="store_true", help="no live progress display")
     p.set_defaults(func=serve_command)
+
+
+def _soak_parser(subs) -> None:
+    # The defaults are drift.Thresholds' and soak_mix.SoakMix's, written out so that registering the parser
+    # imports neither (numpy, httpx); tests/test_bench_soak.py holds them equal.
+    mix = argparse.Namespace(input_len="128", long_input_len="1024", long_fraction=0.1, output_len="64",
+                             chat_fraction=0.5, stream_fraction=0.75, abort_fraction=0.1, structured_fraction=0.1)
+    th = argparse.Namespace(warmup_windows=1, consecutive=3, max_rss_slope_mib_per_hour=6.0, max_p99_regression=0.1,
+                            max_leaked_blocks=0, max_error_rate=0.0, max_5xx=0, max_fd_growth=16, max_thread_growth=8)
+    p = subs.add_parser("soak", help="a long mixed load, in windows, judged for drift (memory, latency, KV leaks)",
+                        formatter_class=_DefaultsFormatter,
+                        description="Run a mixed workload against an OpenAI-compatible server for --duration, in "
+                                    "windows; after each, sample the idle server's RSS, threads, descriptors and KV "
+                                    "blocks. Judge the drift against thresholds: exit 0 when the run holds, 1 when "
+                                    "it does not. See docs/bench.md.")
+    g = p.add_argument_group("target")
+    g.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000 (with or without /v1)")
+    g.add_argument("--model", help="model name to send; default: the first one /v1/models lists")
+    g.add_argument("--api-key", help="bearer token, also for /metrics (default: $OPENAI_API_KEY if set)")
+    g.add_argument("--tokenizer", help="tokenizer of the served model for exact prompt lengths; default: the "
+                                       "bundled model's; 'none' for approximate counts")
+    g.add_argument("--pid", type=int, help="the server's process id, when local: RSS, threads and descriptors "
+                                           "from /proc instead of /metrics")
+    g = p.add_argument_group("time")
+    g.add_argument("--duration", default="1h", help="total load time: seconds, or 90s, 30m, 2h")
+    g.add_argument("--window", default="5m", help="load time per window (a window also waits for its last "
+                                                  "requests, then samples the idle server)")
+    g.add_argument("--warmup-windows", type=int, default=th.warmup_windows,
+                   help="first windows left out of the RSS fit and the judging; the next is the latency baseline")
+    g.add_argument("--consecutive", type=int, default=th.consecutive, help="the last N windows must all hold")
+    g.add_argument("--idle-timeout", type=float, default=60.0,
+                   help="seconds a window's end waits for the server to have nothing running")
+    g = p.add_argument_group("load and mix")
+    g.add_argument("--max-concurrency", type=int, default=4, help="requests in flight (closed loop at --request-rate inf)")
+    g.add_argument("--request-rate", default="inf", help="requests/s (Poisson arrivals) under the concurrency cap")
+    g.add_argument("--input-len", default=mix.input_len, help="short prompt tokens (same forms as bench serve)")
+    g.add_argument("--long-input-len", default=mix.long_input_len, help="long prompt tokens")
+    g.add_argument("--long-fraction", type=float, default=mix.long_fraction, help="share of long prompts")
+    g.add_argument("--output-len", default=mix.output_len, help="max_tokens per request")
+    g.add_argument("--chat-fraction", type=float, default=mix.chat_fraction, help="share sent to chat (else completions)")
+    g.add_argument("--stream-fraction", type=float, default=mix.stream_fraction, help="share streamed")
+    g.add_argument("--abort-fraction", type=float, default=mix.abort_fraction,
+                   help="share of streamed requests the client hangs up on mid-stream (or mid-prefill)")
+    g.add_argument("--structured-fraction", type=float, default=mix.structured_fraction,
+                   help="share of chat requests with response_format json_schema, whose answers are checked")
+    g.add_argument("--stream-usage", choices=["continuous", "final", "off"], default="continuous",
+                   help="as for bench serve")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("thresholds")
+    g.add_argument("--max-rss-slope", type=float, default=th.max_rss_slope_mib_per_hour,
+                   help="idle RSS growth after warm-up, MiB per hour (least-squares fit)")
+    g.add_argument("--max-p99-regression", type=float, default=th.max_p99_regression,
+                   help="P99 TTFT and TPOT may rise this share above the baseline window's (0.1 = 10 %%)")
+    g.add_argument("--max-leaked-blocks", type=int, default=th.max_leaked_blocks,
+                   help="KV blocks in use when idle, above the count before the soak")
+    g.add_argument("--max-error-rate", type=float, default=th.max_error_rate,
+                   help="failed / sent (hang-ups not counted), per window and overall")
+    g.add_argument("--max-5xx", type=int, default=th.max_5xx, help="5xx responses, per window and overall")
+    g.add_argument("--max-fd-growth", type=int, default=th.max_fd_growth, help="open descriptors above the baseline")
+    g.add_argument("--max-thread-growth", type=int, default=th.max_thread_growth, help="threads above the baseline")
+    g = p.add_argument_group("report")
+    g.add_argument("--percentiles", type=_csv(float), default=[50.0, 90.0, 99.0], help="P99 is always added")
+    g.add_argument("--out", help="write the JSON result here")
+    g.add_argument("--plot", metavar="DIR", help="write soak.png (the windows against time) into DIR")
+    g.add_argument("--no-progress", action="store_true", help="no live progress display")
+    p.set_defaults(func=_soak_command)
+
+
+def _soak_command(args) -> int:
+    from tokenfab.bench.soak_cli import soak_command
+    return soak_command(args, _stdout_console())
 
 
 def _compare_parser(subs) -> None:

@@ -5,7 +5,12 @@ Timing uses `time.perf_counter()`: `sent` is taken just before the request goes 
 `usage.completion_tokens` (cumulative; vLLM and SGLang send it on every chunk when asked with
 `stream_options.continuous_usage_stats`) or its logprobs entries. The final usage chunk
 (`stream_options.include_usage`) gives the total. What the server did not say is resolved later,
-in timing.py. Errors are kept as one-line strings on the result; nothing raises out of here.
+in timing.py. Errors are kept as one-line strings on the result (with the HTTP status, when there
+was one); nothing raises out of here.
+
+`bench soak` also sends requests without streaming (`plain_request`: the whole answer is one event at
+its end), and hangs up on purpose (`hang_up_after`: the client closes the connection after that many
+content chunks, 0 meaning right after the response headers), as real clients do.
 """
 from __future__ import annotations
 
@@ -82,20 +87,30 @@ class RawResult:
     count_source: str | None = None       # "usage" or "logprobs" when chunks carried counts
     finish_reason: str | None = None
     error: str | None = None
+    status: int | None = None             # the HTTP status, once the response headers came
+    hung_up: bool = False                 # the client closed the stream on purpose (hang_up_after)
 
 
 async def stream_request(client: httpx.AsyncClient, ep: Endpoint, req: BenchRequest,
-                         clock: Callable[[], float] = time.perf_counter) -> RawResult:
-    """Send `req` and time its chunks. `clock` is perf_counter; tests pass a virtual one."""
+                         clock: Callable[[], float] = time.perf_counter, hang_up_after: int | None = None) -> RawResult:
+    """Send `req` and time its chunks. `clock` is perf_counter; tests pass a virtual one. With
+    `hang_up_after` = k the client closes the connection after k content chunks (0: after the headers)."""
     payload, headers = ep.payload(req), ep.headers()
     res = RawResult()
     res.sent = clock()
     try:
         async with client.stream("POST", ep.url, json=payload, headers=headers) as resp:
+            res.status = resp.status_code
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {_error_message((await resp.aread()).decode(errors='replace'))}"
                 return res
+            if hang_up_after == 0:
+                res.hung_up = True
+                return res                # before the first chunk: mid-prefill, for a long prompt
             async for line in resp.aiter_lines():
+                if hang_up_after is not None and len(res.events) >= hang_up_after:
+                    res.hung_up = True
+                    break                 # leaving the block closes the connection mid-stream
                 now = clock()
                 if not line.startswith("data:"):
                     continue  # blank separators, comments, event: lines
@@ -117,8 +132,47 @@ async def stream_request(client: httpx.AsyncClient, ep: Endpoint, req: BenchRequ
         res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     finally:
         res.end = clock()
-    if res.error is None and not res.events:
+    if res.error is None and not res.events and not res.hung_up:
         res.error = "no content received: the stream ended without a token"
+    return res
+
+
+async def plain_request(client: httpx.AsyncClient, ep: Endpoint, req: BenchRequest,
+                        clock: Callable[[], float] = time.perf_counter) -> RawResult:
+    """Send `req` without streaming: the whole answer arrives as one event when the response ends."""
+    payload, headers = ep.payload(req), ep.headers()
+    payload["stream"] = False
+    payload.pop("stream_options", None)
+    res = RawResult()
+    res.sent = clock()
+    try:
+        resp = await client.post(ep.url, json=payload, headers=headers)
+        res.end = clock()
+        res.status = resp.status_code
+        if resp.status_code != 200:
+            res.error = f"HTTP {resp.status_code}: {_error_message(resp.text)}"
+            return res
+        body = resp.json()
+        choice = body["choices"][0]
+        if ep.kind == "chat":
+            text = (choice.get("message") or {}).get("content") or ""
+        else:
+            text = choice.get("text") or ""
+        usage = body.get("usage") or {}
+        res.completion_tokens = usage.get("completion_tokens")
+        res.prompt_tokens = usage.get("prompt_tokens")
+        res.finish_reason = choice.get("finish_reason")
+        if res.completion_tokens is not None:
+            res.count_source = "usage"
+        res.events.append(ChunkEvent(res.end - res.sent, text, res.completion_tokens))
+    except httpx.TimeoutException:
+        res.error = f"timed out after {ep.timeout_s:g} s"
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        res.error = f"malformed response: {type(e).__name__}: {e}"
+    finally:
+        res.end = res.end or clock()
     return res
 
 

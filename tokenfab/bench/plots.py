@@ -136,3 +136,50 @@ def plot_compare(labelled: list[tuple[str, dict]], out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     path = latency_cdfs(labelled, os.path.join(out_dir, "compare_latency_cdf.png"))
     return [path] if path else []
+
+
+def soak_windows(result: dict, path: str) -> str | None:
+    """A soak's windows against time: P99 latencies, idle RSS with its fitted slope, and threads,
+    descriptors and idle KV blocks."""
+    windows = result["windows"]
+    if not windows:
+        return None
+    plt = _pyplot()
+    warm = result["config"]["thresholds"]["warmup_windows"]
+    t_min = [w["server"]["t_s"] / 60 for w in windows]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for m in ("ttft", "tpot", "e2el"):
+        a.plot(t_min, [w["latency"][f"p99_{m}_ms"] or math.nan for w in windows], "o-", label=f"{NAMES[m]} P99")
+    a.set_yscale("log")
+    a.set_ylabel("ms")
+    a.set_title("P99 latency per window")
+    rss = [w["server"]["rss_bytes"] for w in windows]
+    if any(r is not None for r in rss):
+        b.plot(t_min, [r / (1 << 20) if r is not None else math.nan for r in rss], "o-", label="idle RSS")
+        slope = next((ch for ch in result["drift"]["checks"] if ch["name"] == "rss_slope"), None)
+        fitted = [(t, r / (1 << 20)) for t, r in zip(t_min[warm:], rss[warm:]) if r is not None]
+        if slope and slope["value"] is not None and len(fitted) >= 2:
+            xs, ys = np.array([x for x, _ in fitted]), np.array([y for _, y in fitted])
+            line = ys.mean() + slope["value"] / 60 * (xs - xs.mean())
+            b.plot(xs, line, "--", color="tab:red", label=f"fit {slope['value']:+.2f} MiB/h")
+        b.legend(fontsize=8)
+    b.set_ylabel("MiB")
+    b.set_title("Server RSS when idle")
+    for key, label in (("threads", "threads"), ("open_fds", "open fds"), ("kv_used_blocks", "KV blocks in use")):
+        vals = [w["server"][key] for w in windows]
+        if any(v is not None for v in vals):
+            c.plot(t_min, [v if v is not None else math.nan for v in vals], "o-", label=label)
+    c.set_title("Threads, descriptors, KV blocks when idle")
+    if c.get_legend_handles_labels()[0]:
+        c.legend(fontsize=8)
+    for ax in (a, b, c):
+        ax.set_xlabel("minutes since start")
+        ax.grid(alpha=0.3)
+        if warm:
+            ax.axvspan(0, t_min[warm - 1], color="grey", alpha=0.12)
+    if a.get_legend_handles_labels()[0]:
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -145,3 +145,77 @@ def print_result(console: Console, result: dict) -> None:
                       f"({spec['num_accepted_tokens']} of {spec['num_draft_tokens']} draft tokens), "
                       f"mean accepted length {num(spec['mean_accepted_length'])}"
                       + (f", per position {per_pos}" if per_pos else ""))
+
+
+# -- bench soak -------------------------------------------------------------------------------
+
+def _mib(v) -> str:
+    return "–" if v is None else f"{v / (1 << 20):,.1f}"
+
+
+def _check_cells(c: dict) -> tuple[str, str]:
+    """A drift check's value and limit, in its unit: MiB/hour, a change in %, a share in %, or a count."""
+    v, limit, name = c["value"], c["limit"], c["name"]
+    if name == "rss_slope":
+        return ("–" if v is None else f"{v:+.2f} MiB/h"), f"{limit:g} MiB/h"
+    if name in ("p99_ttft", "p99_tpot"):
+        return ("–" if v is None else f"{v * 100:+.1f} %"), f"+{limit * 100:g} %"
+    if name == "error_rate":
+        return ("–" if v is None else f"{v * 100:.2f} %"), f"{limit * 100:g} %"
+    return ("–" if v is None else f"{v:g}"), f"{limit:g}"
+
+
+def window_line(w: dict, total: int) -> str:
+    """One line per finished window, for the live display of a long soak."""
+    lat, s = w["latency"], w["server"]
+    return (f"window {w['index'] + 1}/{total}: {w['requests']} requests, {w['failed']} failed, "
+            f"{w['aborted']} hung up · P99 TTFT {num(lat['p99_ttft_ms'], 1)} ms, TPOT {num(lat['p99_tpot_ms'], 1)} ms"
+            f" · idle: RSS {_mib(s['rss_bytes'])} MiB, {s['threads'] if s['threads'] is not None else '–'} threads, "
+            f"{s['open_fds'] if s['open_fds'] is not None else '–'} fds, KV blocks "
+            f"{s['kv_used_blocks'] if s['kv_used_blocks'] is not None else '–'}"
+            + ("" if s["idle"] is not False else " (not idle)"))
+
+
+def _verdict_cell(passed) -> str:
+    return "[dim]not measured[/dim]" if passed is None else "[green]holds[/green]" if passed else "[red]FAILS[/red]"
+
+
+def soak_tables(result: dict) -> list[Table]:
+    """The windows, the drift checks, and the failures by status, from a soak's JSON result."""
+    cfg = result["config"]
+    warm = cfg["thresholds"]["warmup_windows"]
+    t = Table(title=f"Soak windows · {cfg['window_s']:g} s each · max concurrency {cfg['max_concurrency']} · "
+                    f"rate {fmt_rate(cfg['request_rate'])} req/s", title_justify="left")
+    for col in ["#", "End (s)", "Requests", "Failed", "Hung up", "TTFT P50", "TTFT P99", "TPOT P99", "E2E P99",
+                "RSS MiB", "Threads", "FDs", "KV idle", "Window"]:
+        t.add_column(col, justify="right" if col != "Window" else "left")
+    for w in result["windows"]:
+        lat, s = w["latency"], w["server"]
+        state = "warm-up" if w["index"] < warm else _verdict_cell(w["holds"])
+        t.add_row(str(w["index"] + 1), num(s["t_s"], 0), str(w["requests"]), str(w["failed"]), str(w["aborted"]),
+                  num(lat.get("p50_ttft_ms"), 1), num(lat["p99_ttft_ms"], 1), num(lat["p99_tpot_ms"], 1),
+                  num(lat["p99_e2el_ms"], 1), _mib(s["rss_bytes"]), num(s["threads"]), num(s["open_fds"]),
+                  num(s["kv_used_blocks"]) + ("" if s["idle"] is not False else " (busy)"), state)
+    start = result["start"]
+    t.caption = (f"before the load: RSS {_mib(start['rss_bytes'])} MiB, KV blocks in use "
+                 f"{num(start['kv_used_blocks'])}; server figures from {start['source']}")
+
+    d = Table(title="Drift · " + ("[green]PASSED[/green]" if result["drift"]["passed"] else "[red]FAILED[/red]"),
+              title_justify="left")
+    for col in ["Check", "Value", "Limit", "Result", "Detail"]:
+        d.add_column(col, justify="right" if col in ("Value", "Limit") else "left")
+    for c in result["drift"]["checks"]:
+        d.add_row(c["name"], *_check_cells(c), _verdict_cell(c["passed"]), c["detail"])
+    tables = [t, d]
+    errors: dict[str, int] = {}
+    for w in result["windows"]:
+        for status, n in w["errors"].items():
+            errors[status] = errors.get(status, 0) + n
+    if errors:
+        e = Table(title="Failures by status", title_justify="left")
+        e.add_column("Status")
+        e.add_column("Count", justify="right")
+        for status, n in sorted(errors.items(), key=lambda kv: -kv[1]):
+            e.add_row(status, str(n))
+        tables.append(e)
+    return tables

@@ -160,6 +160,14 @@ def serve_command(args: argparse.Namespace) -> int:
             step_log = StepLog(args.step_log)
         except OSError as e:
             raise CLIError(f"--step-log {args.step_log}: {e.strerror}") from None
+    if server_config.data_dir:          # a corrupt or foreign batch.sqlite stops the start here, before the model loads
+        from tokenfab.batch.store import BatchStore
+        from tokenfab.cli_errors import CLIError
+        try:
+            BatchStore(server_config.data_dir, server_config.batch_max_file_bytes,
+                       server_config.batch_max_total_bytes).close()
+        except OSError as e:
+            raise CLIError(f"--data-dir {server_config.data_dir}: {e.strerror or e}") from None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     log = logging.getLogger("tokenfab.server")

@@ -8,11 +8,16 @@ Two sources:
 - Latency histograms (TTFT, inter-token latency, end-to-end, queue time) and finished-request
   counters are observed as requests progress: this class is the EngineClient's listener.
 
-Each app gets its own registry, so several servers can live in one process (tests do this).
+- The process: prometheus_client's standard `process_*` families (resident and virtual memory, open
+  file descriptors, CPU seconds, start time) plus `process_threads`, as the Rust client names it, so a
+  soak (`tokenfab bench soak`) can watch a remote server's memory, threads and descriptors drift.
+
+Each app gets its own registry, so several servers can live in one process (tests do this); the
+process families then describe the one process they share.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenfab.outputs import RequestOutput
@@ -34,6 +39,9 @@ _GAUGES = [
     ("num_requests_running", "Sequences in the running batch.", "num_running"),
     ("num_requests_waiting", "Sequences waiting to be scheduled.", "num_waiting"),
     ("kv_cache_usage_perc", "Share of KV cache blocks in use (1 = full).", "kv_cache_usage"),
+    ("kv_cache_used_blocks", "KV cache blocks held by live sequences, the sliding-window pool's included "
+     "(0 whenever no request is in flight; a soak's leak check reads it).", "num_used_blocks"),
+    ("kv_cache_num_blocks", "KV cache blocks in the pool.", "num_blocks"),
     ("engine_num_threads", "Threads the engine's steps run on (changed while other processes take the cores; "
      "above torch's count only for the C kernels' pool, docs/serving.md).", "num_threads"),
 ]
@@ -114,6 +122,22 @@ class _KeyCollector:
         yield g
 
 
+class _ThreadsCollector:
+    """`process_threads`: the OS threads of this process (Linux /proc; nothing elsewhere, as the standard
+    process collector does)."""
+
+    def collect(self):
+        try:
+            with open("/proc/self/status") as f:
+                threads = next((int(line.split()[1]) for line in f if line.startswith("Threads:")), None)
+        except OSError:
+            return
+        if threads is not None:
+            g = GaugeMetricFamily("process_threads", "OS threads of the process.")
+            g.add_metric([], float(threads))
+            yield g
+
+
 class ServerMetrics:
     """The registry behind /metrics, and the EngineClient listener that fills its histograms."""
 
@@ -125,6 +149,8 @@ class ServerMetrics:
         self.key_limiter = KeyLimiter()
         self.key_policies: list = []          # set by build_app when the server has keys
         self.registry.register(_KeyCollector(self))
+        ProcessCollector(registry=self.registry)
+        self.registry.register(_ThreadsCollector())
 
         def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
