@@ -66,3 +66,13 @@ def isa(request):
         yield name
     finally:
         kernels.set_isa(None)
+
+
+@pytest.fixture
+def vloop():
+    """The bench's virtual-clock event loop (tokenfab/bench/fake_server.py), closed after the test."""
+    from tokenfab.bench.fake_server import VirtualClockLoop
+    loop = VirtualClockLoop()
+    yield loop
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()

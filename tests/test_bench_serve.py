@@ -13,7 +13,7 @@ import pytest
 
 from tokenfab.bench.client import Endpoint
 from tokenfab.bench.datasets import DatasetConfig
-from tokenfab.bench.fake_server import FakeScript, VirtualClockLoop, start_fake_server
+from tokenfab.bench.fake_server import FakeScript, start_fake_server
 from tokenfab.bench.serving import AUTO_SWEEP_FRACTIONS, ServeConfig, run_serve
 from tokenfab.bench.tokens import TokenCounter
 
@@ -21,14 +21,6 @@ pytestmark = pytest.mark.timeout(120)
 
 TTFT_MS, PER_WORD_MS, INTERVAL_MS, SIZES, MAX_TOKENS = 30.0, 0.1, 10.0, (1, 2, 1, 3), 8
 SHORT, LONG = [10, 20, 30, 40, 10, 20], [300, 320, 340]
-
-
-@pytest.fixture
-def vloop():
-    loop = VirtualClockLoop()
-    yield loop
-    loop.run_until_complete(loop.shutdown_asyncgens())
-    loop.close()
 
 
 def scripted_chunks(n_tokens):

@@ -10,7 +10,7 @@ import pytest
 from tokenfab.bench.client import ChunkEvent, Endpoint, RawResult
 from tokenfab.bench.datasets import BenchRequest
 from tokenfab.bench.drift import Thresholds, judge
-from tokenfab.bench.fake_server import FakeScript, VirtualClockLoop, start_fake_server
+from tokenfab.bench.fake_server import FakeScript, start_fake_server
 from tokenfab.bench.probe import parse_metrics, read_proc
 from tokenfab.bench.soak import SoakConfig, error_status, run_soak, summarize_window
 from tokenfab.bench.soak_cli import parse_duration
@@ -163,14 +163,6 @@ def test_bad_flags_get_one_clear_line_and_exit_2(flags, message, capsys):
 
 
 # -- the loop, on a virtual clock against the scripted server ------------------------------------
-
-@pytest.fixture
-def vloop():
-    loop = VirtualClockLoop()
-    yield loop
-    loop.run_until_complete(loop.shutdown_asyncgens())
-    loop.close()
-
 
 @pytest.mark.parametrize("rate", [float("inf"), 8.0])
 def test_every_window_times_requests_as_scripted_under_the_cap(vloop, rate):

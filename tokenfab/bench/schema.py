@@ -59,17 +59,25 @@ def run_json(run: RunResult, include_requests: bool = True) -> dict:
     }
 
 
-def build_result(cfg: ServeConfig, counter: TokenCounter, runs: list[RunResult], sweep: dict,
-                 include_requests: bool = True) -> dict:
+def result_header(config: dict, counter: TokenCounter, schema: str = SCHEMA, version: int = SCHEMA_VERSION) -> dict:
+    """What every bench result file opens with (bench serve's and bench soak's): the schema, the versions,
+    when and how it ran, the settings and the token counter."""
     from tokenfab.version import __version__
     return {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
+        "schema": schema,
+        "schema_version": version,
         "tokenfab_version": __version__,
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv) if sys.argv and sys.argv[0] else None,
-        "config": config_json(cfg),
+        "config": config,
         "tokenizer": {"source": counter.source, "exact": counter.exact},
+    }
+
+
+def build_result(cfg: ServeConfig, counter: TokenCounter, runs: list[RunResult], sweep: dict,
+                 include_requests: bool = True) -> dict:
+    return {
+        **result_header(config_json(cfg), counter),
         "sweep": {"mode": sweep["mode"], "rates": [rate_json(r) for r in sweep["rates"]],
                   "saturation_request_rate": sweep["saturation_request_rate"]},
         "runs": [run_json(r, include_requests) for r in runs],

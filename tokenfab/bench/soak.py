@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import datetime
 import math
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -33,6 +31,7 @@ from tokenfab.bench.aggregate import error_summary, latency_stats
 from tokenfab.bench.client import RawResult, plain_request, stream_request
 from tokenfab.bench.drift import Thresholds, Verdict, WindowStats
 from tokenfab.bench.probe import ServerSample
+from tokenfab.bench.schema import result_header
 from tokenfab.bench.serving import new_client
 from tokenfab.bench.soak_mix import SoakMix, SoakRequest, SoakWorkload, structured_error
 from tokenfab.bench.timing import request_record
@@ -234,7 +233,6 @@ def config_json(cfg: SoakConfig) -> dict:
 
 def result_json(cfg: SoakConfig, counter: TokenCounter, run: SoakRun, verdict: Verdict) -> dict:
     """The JSON result (docs/bench.md, "bench soak"): settings, the idle start, every window, the verdict."""
-    from tokenfab.version import __version__
     windows = []
     for w, holds, checks in zip(run.windows, verdict.holds, verdict.windows):
         row = dataclasses.asdict(w)
@@ -242,13 +240,7 @@ def result_json(cfg: SoakConfig, counter: TokenCounter, run: SoakRun, verdict: V
         row["checks"] = [dataclasses.asdict(c) for c in checks]
         windows.append(row)
     return {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "tokenfab_version": __version__,
-        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv) if sys.argv and sys.argv[0] else None,
-        "config": config_json(cfg),
-        "tokenizer": {"source": counter.source, "exact": counter.exact},
+        **result_header(config_json(cfg), counter, SCHEMA, SCHEMA_VERSION),
         "start": dataclasses.asdict(run.start),
         "windows": windows,
         "drift": {"passed": verdict.passed, "checks": [dataclasses.asdict(c) for c in verdict.checks]},
