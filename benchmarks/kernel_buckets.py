@@ -26,7 +26,7 @@ from tokenfab.kernels import linear as seam  # noqa: E402
 from tokenfab.kernels.linear import plan_linears  # noqa: E402
 from tokenfab.kernels.select import select_kernels  # noqa: E402
 from tokenfab.kernels.tuning import KernelTable  # noqa: E402
-from tokenfab.model.bundled import bundled_model_path  # noqa: E402
+from tokenfab.files.bundled import bundled_model_path  # noqa: E402
 
 
 def replan(llm: LLM, tbl: KernelTable, buckets: tuple[int, ...]) -> dict[str, str]:

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenfab import LLM, SamplingParams  # noqa: E402
-from tokenfab.model.bundled import bundled_model_path  # noqa: E402
+from tokenfab.files.bundled import bundled_model_path  # noqa: E402
 from tokenfab.model.loader import load_model_files  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."

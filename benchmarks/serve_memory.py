@@ -100,7 +100,7 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=30)
     if args.llama_server:
-        from tokenfab.model.bundled import bundled_model_path
+        from tokenfab.files.bundled import bundled_model_path
         proc, url, log = start_llama_server(args.llama_server, bundled_model_path(), 8, 8192)
         try:
             report("llama-server -np 8 -c 8192", measure(proc, url), log)

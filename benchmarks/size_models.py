@@ -30,7 +30,7 @@ ANCHORS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
 def write_f16(path: str, geometry: str, seed: int = 0) -> None:
     import gguf
 
-    from tokenfab.model.bundled import bundled_model_path
+    from tokenfab.files.bundled import bundled_model_path
     hidden, h, kvh, d, ffn = GEOMETRIES[geometry]
     src = gguf.GGUFReader(bundled_model_path())
     w = gguf.GGUFWriter(path, "llama")

@@ -90,8 +90,8 @@ def fit_link(res: dict[int, float], tp: int = 2) -> tuple[float, float]:
 # -------------------------------------------------------------------------- 2. the engine
 def make_model(folder: str, hidden: int, layers: int, heads: int, kv_heads: int, inter: int) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
-    from tokenfab.model.bundled import bundled_model_path
-    from tokenfab.model.tokenizer import load_tokenizer
+    from tokenfab.files.bundled import bundled_model_path
+    from tokenfab.files.tokenizer import load_tokenizer
     tok = load_tokenizer(bundled_model_path())
     cfg = AutoConfig.for_model("llama", vocab_size=len(tok), hidden_size=hidden, intermediate_size=inter,
                                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,

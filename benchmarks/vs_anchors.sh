@@ -48,7 +48,7 @@ lscpu | grep -E '^Model name'; grep -m1 -o -E 'avx2|avx512f|avx512_vnni|avx_vnni
 python3 - "${MODEL:-}" <<'PY'
 import sys
 import gguf
-from tokenfab.model.bundled import resolve_model_path
+from tokenfab.files.bundled import resolve_model_path
 from tokenfab.plan.probe import ProbeSettings, measure_bandwidth
 r = gguf.GGUFReader(resolve_model_path(sys.argv[1] or None))
 names = {t.name for t in r.tensors}
@@ -63,7 +63,7 @@ RUNS=(); LABELS=
 # LLAMA=0 skips llama.cpp (on a loaded 2-core VM its 32- and 64-stream runs take ~10 minutes)
 if [ "${LLAMA:-1}" != 0 ]; then
   if [ -n "$MODEL" ]; then     # the anchor's build and flags, on the model's own file
-    GGUF=$(python3 -c 'import sys; from tokenfab.model.bundled import resolve_model_path as r; print(r(sys.argv[1]))' "$MODEL")
+    GGUF=$(python3 -c 'import sys; from tokenfab.files.bundled import resolve_model_path as r; print(r(sys.argv[1]))' "$MODEL")
     "$ANCHORS_DIR/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server" -m "$GGUF" -t "${THREADS:-$(nproc)}" -tb "${THREADS:-$(nproc)}" \
       -np 32 -c $((32 * 1024)) --host 127.0.0.1 --port "$PORT" >"$OUT/llama-server.log" 2>&1 & PID=$!
   else

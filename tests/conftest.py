@@ -8,13 +8,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def bundled_path() -> str:
-    from tokenfab.model.bundled import bundled_model_path
+    from tokenfab.files.bundled import bundled_model_path
     return bundled_model_path()
 
 
 @pytest.fixture(scope="session")
 def bundled_tokenizer(bundled_path):
-    from tokenfab.model.tokenizer import load_tokenizer
+    from tokenfab.files.tokenizer import load_tokenizer
     return load_tokenizer(bundled_path)
 
 

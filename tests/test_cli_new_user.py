@@ -32,7 +32,7 @@ def test_generate_refuses_an_empty_prompt_before_loading_the_model(argv, monkeyp
 
 
 def test_model_is_named_by_its_file_not_gguf_general_name(bundled_path):
-    from tokenfab.model.bundled import model_display_name
+    from tokenfab.files.bundled import model_display_name
     assert model_display_name(bundled_path) == "SmolLM2-135M-Instruct"
     assert model_display_name("/models/My-Model.Q8_0.gguf") == "My-Model.Q8_0"
     assert model_display_name("/models/qwen2-folder/") == "qwen2-folder"

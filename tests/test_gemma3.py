@@ -250,7 +250,7 @@ def test_kv_sizing_counts_the_sliding_pool_savings(tiny_gemma3):
 # ------------------------------------------------------------------------------- the real file
 def gemma3_270m_path() -> str:
     try:
-        from tokenfab.model.bundled import gemma3_270m_path as find
+        from tokenfab.files.bundled import gemma3_270m_path as find
         return find()
     except FileNotFoundError as e:
         pytest.skip(str(e))

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tokenfab"
 
 # Bottom first. Leaves import no other part.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("leaves", ["version", "registry", "cli_errors", "outputs", "structured_output", "costmodel", "serve_spec"]),
+    ("leaves", ["version", "registry", "cli_errors", "outputs", "structured_output", "costmodel", "serve_spec", "files"]),
     ("request parameters", ["sampling"]),
     ("configuration", ["config", "engine_args"]),
     ("kernels", ["kernels"]),
@@ -50,9 +50,6 @@ FORBIDDEN = {
 ALLOWED_FOR_NOW = {
     ("engine", "model"): "LLMEngine builds the model, picks kernels and sizes memory (engine/engine.py, spec/draft.py)",
     ("quant", "distributed"): "quant/load.py shards the weights for tensor parallelism while it builds the model",
-    # Not part of the Worker change: bench/tokens.py loads a tokenizer (model/tokenizer.py, model/bundled.py)
-    # to count tokens; those two loaders are to move to a leaf.
-    ("bench", "model"): "bench/tokens.py loads the tokenizer it counts tokens with from model/",
 }
 
 # TEMPORARY: modules over the line limit that are being split (issue 39). Delete an entry when its

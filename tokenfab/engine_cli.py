@@ -177,7 +177,7 @@ def cmd_info(args) -> int:
     cfg = files.config
     fp32 = cfg.kv_bytes_per_token(4)
     kv_bytes = {"float32": fp32, "bfloat16": cfg.kv_bytes_per_token(2), "int8": kv_int8_bytes_per_token(cfg)}
-    from tokenfab.model.bundled import model_display_name
+    from tokenfab.files.bundled import model_display_name
     name = model_display_name(files.path)
     info = {
         "path": files.path, "name": name, "gguf_general_name": cfg.name or None, "architecture": cfg.arch, "parameters": cfg.num_params(),

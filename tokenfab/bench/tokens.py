@@ -131,8 +131,8 @@ def load_counter(tokenizer: str | None) -> TokenCounter:
     if tokenizer is not None and tokenizer.lower() in ("none", "approx", "approximate"):
         return TokenCounter(warning="token counts are approximate (--tokenizer none)")
     try:
-        from tokenfab.model.bundled import bundled_model_path
-        from tokenfab.model.tokenizer import load_tokenizer
+        from tokenfab.files.bundled import bundled_model_path
+        from tokenfab.files.tokenizer import load_tokenizer
         path = tokenizer or bundled_model_path()
         return TokenCounter(load_tokenizer(path), source=path)
     except Exception as e:  # any tokenizer that fails to load leaves the bench usable, approximately

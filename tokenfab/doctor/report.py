@@ -33,7 +33,7 @@ def deployment_for(hardware: str, model: str | None, config: dict, hardware_file
     spec = resolve_model(model)
     if model is None or os.path.exists(os.path.expanduser(model)):
         # GGUF's general.name is often a training-run label; call the model what the server calls it.
-        from tokenfab.model.bundled import model_display_name
+        from tokenfab.files.bundled import model_display_name
         spec = dataclasses.replace(spec, name=model_display_name(model and os.path.expanduser(model)))
     act = _FLOAT.get(str(config.get("dtype", "float32")), "fp32")
     kv = {"int8": "int8", "float16": "fp16", "float32": "fp32"}.get(str(config.get("kv_cache_dtype")), act)

@@ -18,9 +18,9 @@ import torch
 
 from tokenfab.model import families
 from tokenfab.model import rope as rope_scalings
-from tokenfab.model.bundled import resolve_model_path
+from tokenfab.files.bundled import resolve_model_path
 from tokenfab.model.config import ModelConfig
-from tokenfab.model.tokenizer import load_tokenizer
+from tokenfab.files.tokenizer import load_tokenizer
 
 
 class ModelLoadError(ValueError):

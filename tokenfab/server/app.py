@@ -41,7 +41,7 @@ log = logging.getLogger("tokenfab.server")
 
 def default_model_name(info: ModelInfo) -> str:
     """The bundled model's name, or the file/folder name without a .gguf suffix."""
-    from tokenfab.model.bundled import model_display_name
+    from tokenfab.files.bundled import model_display_name
     return model_display_name(info.model_path)
 
 
