@@ -48,6 +48,19 @@ def test_growing_rss_fails_the_slope_check():
     assert check(v, "leaked_kv_blocks").passed and check(v, "p99_ttft").passed
 
 
+def test_rss_growth_that_is_the_kv_pool_being_used_once_is_not_a_leak_but_growth_beside_it_is():
+    # a reserved pool's pages become resident as its blocks are first used: 200 MiB more per window
+    ws = steady()
+    for i, w in enumerate(ws):
+        w.kv_resident_bytes = 200 * MIB * i
+        w.rss_bytes += w.kv_resident_bytes
+    v = judge(ws, 0, Thresholds())
+    assert check(v, "rss_slope").passed and "KV pool" in check(v, "rss_slope").detail, check(v, "rss_slope")
+    for i, w in enumerate(ws):                                # 3 MiB per window outside the pool
+        w.rss_bytes += 3 * MIB * i
+    assert not check(judge(ws, 0, Thresholds()), "rss_slope").passed
+
+
 def test_warm_up_growth_is_not_fitted():
     ws = steady()
     ws[0].rss_bytes = 500 * MIB                                # the first window loads caches: not a leak

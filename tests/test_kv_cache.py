@@ -93,3 +93,15 @@ def test_eviction_prefers_blocks_without_reusable_content():
     n = seq(range(200, 212), "n")     # needs 3 of the 4 blocks
     assert bm.allocate(n, 12)
     assert len(bm.find_cached_prefix(seq(list(range(4)) + [7], "x"))) == 1
+
+
+def test_touched_blocks_count_each_block_once_and_grow_until_the_pool_is_used():
+    """The blocks ever handed out (their pages resident): freed cached blocks are kept while unused ones
+    remain, so every new request touches fresh blocks until the pool has been used once, and no more."""
+    bm = BlockManager(8, 4)
+    for i in range(5):                              # 5 different prompts of 2 blocks each, one at a time
+        s = seq(range(100 * i, 100 * i + 8), rid=f"r{i}")
+        admit(bm, s)
+        bm.free_seq(s)
+        assert bm.num_touched == min(2 * (i + 1), 8)
+    assert bm.num_used_blocks() == 0 and bm.num_touched == 8

@@ -308,7 +308,11 @@ def test_metrics_show_the_process_and_the_kv_blocks_held(http, client, model, bu
     assert held is not None and held >= 1
     m = scrape(http)
     assert m["tokenfab:kv_cache_used_blocks"] == 0
-    assert m["tokenfab:kv_cache_num_blocks"] == bundled_llm.engine.block_manager.num_blocks
+    bm = bundled_llm.engine.block_manager
+    assert m["tokenfab:kv_cache_num_blocks"] == bm.num_blocks
+    # the pool's share used at least once: at least the blocks this request held, at most the whole pool
+    assert held * bundled_llm.engine.kv_pool_bytes // bm.num_blocks <= m["tokenfab:kv_cache_touched_bytes"]
+    assert m["tokenfab:kv_cache_touched_bytes"] <= bundled_llm.engine.kv_pool_bytes
     rss = process_rss()                          # the server runs in this process
     if rss is None:
         pytest.skip("no /proc: the process families are not exported here")

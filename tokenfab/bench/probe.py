@@ -21,7 +21,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 _ENGINE = {"num_requests_running": "running", "num_requests_waiting": "waiting",
-           "kv_cache_used_blocks": "kv_used_blocks", "kv_cache_usage_perc": "kv_usage"}
+           "kv_cache_used_blocks": "kv_used_blocks", "kv_cache_usage_perc": "kv_usage",
+           "kv_cache_touched_bytes": "kv_resident_bytes"}
 _PROCESS = {"process_resident_memory_bytes": "rss_bytes", "process_open_fds": "open_fds",
             "process_threads": "threads"}
 
@@ -34,6 +35,7 @@ class ServerSample:
     threads: int | None = None
     open_fds: int | None = None
     kv_used_blocks: int | None = None
+    kv_resident_bytes: int | None = None  # the KV pool's pages in use at least once (tokenfab's kv_cache_touched_bytes)
     kv_usage: float | None = None        # share of the KV pool in use, 0–1
     running: int | None = None
     waiting: int | None = None

@@ -165,12 +165,17 @@ def _check_cells(c: dict) -> tuple[str, str]:
     return ("–" if v is None else f"{v:g}"), f"{limit:g}"
 
 
+def _kv_part(s: dict) -> str:
+    kv = s.get("kv_resident_bytes")
+    return "" if kv is None else f" ({_mib(kv)} of it the KV pool's used pages)"
+
+
 def window_line(w: dict, total: int) -> str:
     """One line per finished window, for the live display of a long soak."""
     lat, s = w["latency"], w["server"]
     return (f"window {w['index'] + 1}/{total}: {w['requests']} requests, {w['failed']} failed, "
             f"{w['aborted']} hung up · P99 TTFT {num(lat['p99_ttft_ms'], 1)} ms, TPOT {num(lat['p99_tpot_ms'], 1)} ms"
-            f" · idle: RSS {_mib(s['rss_bytes'])} MiB, {s['threads'] if s['threads'] is not None else '–'} threads, "
+            f" · idle: RSS {_mib(s['rss_bytes'])} MiB{_kv_part(s)}, {s['threads'] if s['threads'] is not None else '–'} threads, "
             f"{s['open_fds'] if s['open_fds'] is not None else '–'} fds, KV blocks "
             f"{s['kv_used_blocks'] if s['kv_used_blocks'] is not None else '–'}"
             + ("" if s["idle"] is not False else " (not idle)"))
@@ -187,14 +192,14 @@ def soak_tables(result: dict) -> list[Table]:
     t = Table(title=f"Soak windows · {cfg['window_s']:g} s each · max concurrency {cfg['max_concurrency']} · "
                     f"rate {fmt_rate(cfg['request_rate'])} req/s", title_justify="left")
     for col in ["#", "End (s)", "Requests", "Failed", "Hung up", "TTFT P50", "TTFT P99", "TPOT P99", "E2E P99",
-                "RSS MiB", "Threads", "FDs", "KV idle", "Window"]:
+                "RSS MiB", "KV pages MiB", "Threads", "FDs", "KV idle", "Window"]:
         t.add_column(col, justify="right" if col != "Window" else "left")
     for w in result["windows"]:
         lat, s = w["latency"], w["server"]
         state = "warm-up" if w["index"] < warm else _verdict_cell(w["holds"])
         t.add_row(str(w["index"] + 1), num(s["t_s"], 0), str(w["requests"]), str(w["failed"]), str(w["aborted"]),
                   num(lat.get("p50_ttft_ms"), 1), num(lat["p99_ttft_ms"], 1), num(lat["p99_tpot_ms"], 1),
-                  num(lat["p99_e2el_ms"], 1), _mib(s["rss_bytes"]), num(s["threads"]), num(s["open_fds"]),
+                  num(lat["p99_e2el_ms"], 1), _mib(s["rss_bytes"]), _mib(s.get("kv_resident_bytes")), num(s["threads"]), num(s["open_fds"]),
                   num(s["kv_used_blocks"]) + ("" if s["idle"] is not False else " (busy)"), state)
     start = result["start"]
     t.caption = (f"before the load: RSS {_mib(start['rss_bytes'])} MiB, KV blocks in use "

@@ -109,7 +109,8 @@ class WindowResult:
         s = self.server
         return WindowStats(index=self.index, end_s=s.t_s, requests=self.requests, failed=self.failed,
                            errors=dict(self.errors), p99_ttft_ms=self.latency.get("p99_ttft_ms"),
-                           p99_tpot_ms=self.latency.get("p99_tpot_ms"), rss_bytes=s.rss_bytes, threads=s.threads,
+                           p99_tpot_ms=self.latency.get("p99_tpot_ms"), rss_bytes=s.rss_bytes,
+                           kv_resident_bytes=s.kv_resident_bytes, threads=s.threads,
                            open_fds=s.open_fds, kv_used_blocks=s.kv_used_blocks)
 
 

@@ -68,6 +68,7 @@ class EngineStats:
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()   # [i]: drafts whose token i was accepted
     num_used_blocks: int = 0             # blocks held by live sequences (0 when idle), sliding pool included
+    kv_touched_bytes: int = 0            # the KV pool's share ever used: resident pages (kv_cache.BlockManager.touched)
 
 
 @dataclass(frozen=True, slots=True)

@@ -287,7 +287,8 @@ class LLMEngine:
                             bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
                             self.prompt_tokens_total, self.scheduler.num_generation_tokens,
                             self.thread_controller.threads if self.thread_controller else torch.get_num_threads(),
-                            num_used_blocks=bm.num_used_blocks())
+                            num_used_blocks=bm.num_used_blocks(),
+                            kv_touched_bytes=self.kv_pool_bytes * bm.num_touched // bm.num_blocks)
         if self.spec is not None:
             s = self.spec.stats
             stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens = s.num_drafts, s.num_draft_tokens

@@ -31,6 +31,12 @@ class BlockManager:
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         # Blocks with ref count 0, in eviction order (front = evicted first). Values unused.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Blocks ever handed out. The pool is reserved, not written, at start, so its pages become resident as
+        # blocks are first used; and a block, once freed, keeps its prefix-cache contents until the blocks
+        # never used are gone (the free order above), so a long-running server's RSS climbs until the whole
+        # pool has been used once. A soak subtracts this to see memory growing anywhere else.
+        self.touched = bytearray(num_blocks)
+        self.num_touched = 0
         self.hash_to_block: dict[int, int] = {}
         self.hash_seed: int | None = None
         self.newly_full: list[tuple[int, int]] | None = None   # a KV connector's blocks to save, when set
@@ -149,6 +155,9 @@ class BlockManager:
         target = self.blocks_needed(seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens)
         while len(seq.block_table) < target:
             b, _ = self.free.popitem(last=False)
+            if not self.touched[b]:
+                self.touched[b] = 1
+                self.num_touched += 1
             if self.block_hash[b] is not None:   # evict its cached contents
                 del self.hash_to_block[self.block_hash[b]]
                 self.block_hash[b] = self.block_tokens[b] = None

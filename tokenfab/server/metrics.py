@@ -42,6 +42,8 @@ _GAUGES = [
     ("kv_cache_used_blocks", "KV cache blocks held by live sequences, the sliding-window pool's included "
      "(0 whenever no request is in flight; a soak's leak check reads it).", "num_used_blocks"),
     ("kv_cache_num_blocks", "KV cache blocks in the pool.", "num_blocks"),
+    ("kv_cache_touched_bytes", "Bytes of the KV pool used at least once since start: its resident pages, which "
+     "grow until the whole pool has been used (docs/serving.md).", "kv_touched_bytes"),
     ("engine_num_threads", "Threads the engine's steps run on (changed while other processes take the cores; "
      "above torch's count only for the C kernels' pool, docs/serving.md).", "num_threads"),
 ]
