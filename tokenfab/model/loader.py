@@ -201,11 +201,20 @@ def gguf_config(reader, path: str) -> ModelConfig:
             eos_token_ids=[] if eos is None else [int(eos)],
             name=str(field("general.name", "")),
         )
-        family.from_gguf(field, cfg)
+        experts = field(f"{arch}.expert_count")
+        if experts:         # llama.cpp's keys; a layer with a router tensor is a mixture-of-experts layer
+            cfg.set_experts(int(experts), int(field(f"{arch}.expert_used_count", 0)),
+                            int(field(f"{arch}.expert_feed_forward_length") or cfg.intermediate_size), True,
+                            [f"blk.{i}.ffn_gate_inp.weight" in names for i in range(cfg.num_layers)])
+        family.from_gguf(field, cfg)        # may set its own routing normalisation (OLMoE: none)
+        if field(f"{arch}.expert_weights_norm") is not None:      # the file's own word wins
+            cfg.norm_topk_prob = bool(field(f"{arch}.expert_weights_norm"))
         cfg.rope_scaling = _gguf_rope_scaling(reader, field, arch, cfg, path)
         return cfg
     except (TypeError, KeyError) as e:
         raise ModelLoadError(f"{path}: GGUF metadata is missing a required field ({e})") from None
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
 
 
 def _gguf_rope_scaling(reader, field, arch: str, cfg: ModelConfig, path: str) -> dict | None:
@@ -270,8 +279,9 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
     types: dict[str, int] = {}
     raw: dict[str, tuple[str, np.ndarray]] = {}
     for t in reader.tensors:
+        stacked = _stacked_experts(t.name)
         try:
-            hf = gguf_name_to_hf(t.name, cfg.arch)
+            hf = gguf_name_to_hf(t.name, cfg.arch) if stacked is None else ""
         except KeyError:
             continue  # e.g. rope_freqs: read into the config's rope_scaling (_gguf_rope_scaling)
         qtype = t.tensor_type
@@ -284,6 +294,9 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
             raise ModelLoadError(f"{path}: tensor {t.name} of type {qtype.name} cannot be read, the file is "
                                  f"truncated or corrupt ({t.data.nbytes} of its "
                                  f"{int(t.n_elements) // block * block_bytes} bytes are there)")
+        if stacked is not None:
+            _defer_experts(t, *stacked, cfg, path, weights, raw if qtype.name in _NATIVE_GGUF_TYPES else None)
+            continue
         heads = _rope_permuted_heads(cfg, hf)
         weights.defer(hf, lambda t=t, hf=hf, heads=heads: _gguf_float(t, hf, heads, cfg, path))
         if qtype.name in _NATIVE_GGUF_TYPES:
@@ -294,12 +307,36 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
     return weights, types, raw
 
 
-def _gguf_float(t, hf: str, heads: int, cfg: ModelConfig, path: str) -> torch.Tensor:
-    """One GGUF tensor as float32, in HF's row order and norm convention."""
+def _stacked_experts(name: str) -> tuple[int, tuple[str, ...]] | None:
+    """(layer, HF projections) of a llama.cpp stacked expert tensor (`blk.3.ffn_up_exps.weight`), else None."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in families.STACKED_EXPERT_NAMES:
+        return int(parts[1]), families.STACKED_EXPERT_NAMES[parts[2]]
+    return None
+
+
+def _defer_experts(t, layer: int, projs: tuple[str, ...], cfg: ModelConfig, path: str, weights: LazyWeights,
+                   raw: dict | None) -> None:
+    """Each expert's slice of a stacked tensor under its HF name, read alone when asked (a float read
+    dequantizes one expert, not the layer's stack); its raw blocks too (`raw`: a natively run type)."""
+    rows = [slice(None)] if len(projs) == 1 else [slice(j * cfg.moe_intermediate_size,
+                                                        (j + 1) * cfg.moe_intermediate_size) for j in range(len(projs))]
+    for e in range(t.data.shape[0]):
+        for proj, r in zip(projs, rows):
+            hf = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+            weights.defer(hf, lambda hf=hf, part=(e, r): _gguf_float(t, hf, 0, cfg, path, part))
+            if raw is not None:
+                raw[hf] = (t.tensor_type.name, t.data[e][r])
+
+
+def _gguf_float(t, hf: str, heads: int, cfg: ModelConfig, path: str,
+                part: tuple[int, slice] | None = None) -> torch.Tensor:
+    """One GGUF tensor as float32, in HF's row order and norm convention (`part`: one expert's rows of a
+    stacked tensor)."""
     import gguf
 
     try:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = gguf.quants.dequantize(t.data if part is None else t.data[part[0]][part[1]], t.tensor_type)
     except Exception as e:
         raise ModelLoadError(f"{path}: tensor {t.name} of type {t.tensor_type.name} cannot be read, the file is "
                              f"truncated or corrupt ({type(e).__name__}: {e})") from None
@@ -381,8 +418,28 @@ def to_decoder_layout(cfg: ModelConfig, weights, raw: dict) -> None:
     """A family's tensors in the decoder's names and row order, in place: fused tensors split (Phi-3's
     qkv_proj, gate_up_proj), then a partial rotary head's q / k rows moved (partial_rotary_rows)."""
     families.for_gguf(cfg.arch).split_weights(cfg, weights, raw)
+    if cfg.num_experts:
+        _split_stacked_hf_experts(cfg, weights)
     if cfg.rotary_dim:
         _move_partial_rotary_rows(cfg, weights, raw)
+
+
+def _split_stacked_hf_experts(cfg: ModelConfig, weights) -> None:
+    """transformers 5's own layout of a layer's experts, `mlp.experts.gate_up_proj` [E, 2 I, H] and
+    `mlp.experts.down_proj` [E, H, I] (its save_pretrained writes the per-expert names back; a state dict
+    saved as it is keeps these), as the per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`."""
+    inter = cfg.moe_intermediate_size
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        for stacked, pieces in (("gate_up_proj", (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))),
+                                ("down_proj", (("down_proj", 0, None),))):
+            name = next((n for n in (p + stacked, p + stacked + ".weight") if n in weights), None)
+            if name is None:
+                continue
+            full = weights.pop(name)
+            for e in range(full.shape[0]):
+                for proj, a, b in pieces:
+                    weights[f"{p}{e}.{proj}.weight"] = full[e, a:b].contiguous()
 
 
 def partial_rotary_rows(head_dim: int, rotary_dim: int) -> torch.Tensor:
