@@ -77,11 +77,11 @@ TINY_CONFIGS = {
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1000000.0,
                       tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True),
-    # its first layer dense (mlp_only_layers), the k probabilities not renormalised
+    # its first layer dense (mlp_only_layers), 3 experts per token, tied embeddings
     "qwen3_moe-dense0": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1000000.0,
                              tie_word_embeddings=True, num_experts=8, num_experts_per_tok=3,
-                             moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[0]),
+                             moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0]),
     "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=False,
                     num_local_experts=6, num_experts_per_tok=2, sliding_window=None),
