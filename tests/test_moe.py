@@ -274,3 +274,22 @@ def test_moe_parameter_count_counts_every_expert_and_the_router():
     dense = ModelConfig.from_hf({**_BASE, "model_type": "qwen3", "head_dim": 16})
     assert cfg.moe_layers == [False, True]
     assert cfg.num_params() - dense.num_params() == 8 * (3 * 64 * 32 + 64) - 3 * 64 * 128
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe-dense0", "mixtral", "olmoe"])
+def test_moe_config_survives_the_quant_checkpoints_config_json(kind):
+    """`tokenfab quant` writes config.json from the ModelConfig (quant/export.py); it reads back the same."""
+    from transformers import AutoConfig
+
+    from tests.oracle import TINY_CONFIGS
+    from tokenfab.quant.export import hf_config_dict
+    kw = dict(TINY_CONFIGS[kind])
+    cfg = ModelConfig.from_hf(AutoConfig.for_model(kw.pop("model_type"), vocab_size=100, **kw).to_dict())
+    assert cfg.num_experts and ModelConfig.from_hf(hf_config_dict(cfg)) == cfg
+
+
+def test_tensor_parallelism_refuses_moe_by_name():
+    from tokenfab.distributed.shard import check_divisible
+    cfg = ModelConfig.from_hf({**_BASE, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2})
+    with pytest.raises(ValueError, match="mixture-of-experts models .4 experts. are not sharded"):
+        check_divisible(cfg, 2)
