@@ -247,6 +247,17 @@ def test_q8_0_experts_run_as_stored_and_give_the_dequantized_models_logits(tmp_p
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
 
 
+def test_the_planner_reads_experts_from_the_config_json_and_the_gguf_file(tmp_path, bundled_tokenizer):
+    """`tokenfab plan` (plan/models.py): experts, experts per token and the experts' width from both files, so
+    its active parameters are the k experts' and its total all of them."""
+    from tokenfab.plan.models import from_gguf, from_hf_config
+    hf = make_tiny_model("qwen3_moe", str(tmp_path / "hf"), bundled_tokenizer)
+    _write_moe_gguf(tmp_path / "m.gguf", hf, "qwen3moe")
+    for spec in (from_hf_config(str(tmp_path / "hf")), from_gguf(str(tmp_path / "m.gguf"))):
+        assert (spec.num_experts, spec.experts_per_token, spec.intermediate) == (8, 2, 32)
+        assert spec.total_params - spec.active_params == 2 * (8 - 2) * spec.expert_params
+
+
 # ---- what is refused ---------------------------------------------------------------------------------------
 
 _BASE = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
@@ -274,6 +285,7 @@ def test_moe_parameter_count_counts_every_expert_and_the_router():
     dense = ModelConfig.from_hf({**_BASE, "model_type": "qwen3", "head_dim": 16})
     assert cfg.moe_layers == [False, True]
     assert cfg.num_params() - dense.num_params() == 8 * (3 * 64 * 32 + 64) - 3 * 64 * 128
+    assert cfg.num_params() - cfg.num_active_params() == (8 - 2) * 3 * 64 * 32     # one MoE layer's idle experts
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe-dense0", "mixtral", "olmoe"])

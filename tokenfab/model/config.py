@@ -86,6 +86,11 @@ class ModelConfig:
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return sum(attn + norms + (moe if self.is_moe(n) else mlp) for n in range(L)) + emb + h
 
+    def num_active_params(self) -> int:
+        """The parameters one token's forward reads: a mixture-of-experts layer's k experts, not all of them."""
+        unused = (self.num_experts - self.experts_per_token) * 3 * self.hidden_size * self.moe_intermediate_size
+        return self.num_params() - unused * sum(map(self.is_moe, range(self.num_layers)))
+
     def kv_bytes_per_token(self, bytes_per_element: float) -> int:
         """K and V for every layer: 2 x layers x kv_heads x head_dim x element size."""
         return int(2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element)
