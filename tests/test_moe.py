@@ -136,11 +136,12 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_moe_gguf(path, hf, arch: str, expert_type: str = "F32") -> None:
+def _write_moe_gguf(path, hf, arch: str, expert_type: str = "F32", fuse_gate_up: bool = False) -> None:
     """The tiny HF model as convert_hf_to_gguf.py writes `arch` (qwen3moe, olmoe; Mixtral as llama with Q/K
     permuted): each layer's experts stacked [experts, rows, columns] as ffn_gate_exps / ffn_up_exps /
     ffn_down_exps, the router as ffn_gate_inp (float32), expert_count / expert_used_count /
-    expert_feed_forward_length; `expert_type`: the stacked tensors' type (F32, Q8_0, Q4_K)."""
+    expert_feed_forward_length; `expert_type`: the stacked tensors' type (F32, Q8_0, Q4_K); `fuse_gate_up`:
+    gate and up as one ffn_gate_up_exps (the converter's --fuse-gate-up-exps form)."""
     cfg = hf.config
     w = gguf.GGUFWriter(str(path), arch)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -178,9 +179,12 @@ def _write_moe_gguf(path, hf, arch: str, expert_type: str = "F32") -> None:
         if p + "mlp.gate.weight" in sd:
             gate_up = sd[p + "mlp.experts.gate_up_proj"]                  # [E, 2I, H], gate first
             tensors.update({f"blk.{i}.ffn_gate_inp.weight": sd[p + "mlp.gate.weight"],
-                            f"blk.{i}.ffn_gate_exps.weight": np.ascontiguousarray(gate_up[:, :inter]),
-                            f"blk.{i}.ffn_up_exps.weight": np.ascontiguousarray(gate_up[:, inter:]),
                             f"blk.{i}.ffn_down_exps.weight": sd[p + "mlp.experts.down_proj"]})
+            if fuse_gate_up:
+                tensors[f"blk.{i}.ffn_gate_up_exps.weight"] = gate_up
+            else:
+                tensors.update({f"blk.{i}.ffn_gate_exps.weight": np.ascontiguousarray(gate_up[:, :inter]),
+                                f"blk.{i}.ffn_up_exps.weight": np.ascontiguousarray(gate_up[:, inter:])})
         else:
             tensors.update({f"blk.{i}.ffn_gate.weight": sd[p + "mlp.gate_proj.weight"],
                             f"blk.{i}.ffn_up.weight": sd[p + "mlp.up_proj.weight"],
@@ -216,11 +220,12 @@ def _gguf_files(path, tokenizer):
                        gguf_raw=raw)
 
 
-@pytest.mark.parametrize("kind,arch", [("qwen3_moe-dense0", "qwen3moe"), ("mixtral", "llama"), ("olmoe", "olmoe")])
-def test_moe_gguf_as_llama_cpp_writes_it_matches_transformers(tmp_path, bundled_tokenizer, kind, arch):
+@pytest.mark.parametrize("kind,arch,fuse", [("qwen3_moe-dense0", "qwen3moe", False), ("mixtral", "llama", False),
+                                            ("olmoe", "olmoe", True)])
+def test_moe_gguf_as_llama_cpp_writes_it_matches_transformers(tmp_path, bundled_tokenizer, kind, arch, fuse):
     hf = make_tiny_model(kind, str(tmp_path / "hf"), bundled_tokenizer)
     path = tmp_path / "m.gguf"
-    _write_moe_gguf(path, hf, arch)
+    _write_moe_gguf(path, hf, arch, fuse_gate_up=fuse)
     files = _gguf_files(path, bundled_tokenizer)
     cfg = files.config
     assert (cfg.arch, cfg.num_experts, cfg.experts_per_token) == (arch, hf.config.num_experts if kind != "mixtral"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenfab.model import families
+from tokenfab.model import expert_tensors, families
 from tokenfab.model import rope as rope_scalings
 from tokenfab.model.bundled import resolve_model_path
 from tokenfab.model.config import ModelConfig
@@ -279,7 +279,7 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
     types: dict[str, int] = {}
     raw: dict[str, tuple[str, np.ndarray]] = {}
     for t in reader.tensors:
-        stacked = _stacked_experts(t.name)
+        stacked = expert_tensors.stacked_experts(t.name)
         try:
             hf = gguf_name_to_hf(t.name, cfg.arch) if stacked is None else ""
         except KeyError:
@@ -294,8 +294,11 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
             raise ModelLoadError(f"{path}: tensor {t.name} of type {qtype.name} cannot be read, the file is "
                                  f"truncated or corrupt ({t.data.nbytes} of its "
                                  f"{int(t.n_elements) // block * block_bytes} bytes are there)")
-        if stacked is not None:
-            _defer_experts(t, *stacked, cfg, path, weights, raw if qtype.name in _NATIVE_GGUF_TYPES else None)
+        if stacked is not None:     # each expert's slice alone: a float read dequantizes one expert, not the stack
+            for hf, e, rows in expert_tensors.expert_slices(t.data.shape[0], *stacked, cfg.moe_intermediate_size):
+                weights.defer(hf, lambda t=t, hf=hf, part=(e, rows): _gguf_float(t, hf, 0, cfg, path, part))
+                if qtype.name in _NATIVE_GGUF_TYPES:
+                    raw[hf] = (qtype.name, t.data[e][rows])
             continue
         heads = _rope_permuted_heads(cfg, hf)
         weights.defer(hf, lambda t=t, hf=hf, heads=heads: _gguf_float(t, hf, heads, cfg, path))
@@ -305,28 +308,6 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
                 blocks = _unpermute_rope_rows(torch.from_numpy(np.array(blocks)), heads).numpy()
             raw[hf] = (qtype.name, blocks)
     return weights, types, raw
-
-
-def _stacked_experts(name: str) -> tuple[int, tuple[str, ...]] | None:
-    """(layer, HF projections) of a llama.cpp stacked expert tensor (`blk.3.ffn_up_exps.weight`), else None."""
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in families.STACKED_EXPERT_NAMES:
-        return int(parts[1]), families.STACKED_EXPERT_NAMES[parts[2]]
-    return None
-
-
-def _defer_experts(t, layer: int, projs: tuple[str, ...], cfg: ModelConfig, path: str, weights: LazyWeights,
-                   raw: dict | None) -> None:
-    """Each expert's slice of a stacked tensor under its HF name, read alone when asked (a float read
-    dequantizes one expert, not the layer's stack); its raw blocks too (`raw`: a natively run type)."""
-    rows = [slice(None)] if len(projs) == 1 else [slice(j * cfg.moe_intermediate_size,
-                                                        (j + 1) * cfg.moe_intermediate_size) for j in range(len(projs))]
-    for e in range(t.data.shape[0]):
-        for proj, r in zip(projs, rows):
-            hf = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
-            weights.defer(hf, lambda hf=hf, part=(e, r): _gguf_float(t, hf, 0, cfg, path, part))
-            if raw is not None:
-                raw[hf] = (t.tensor_type.name, t.data[e][r])
 
 
 def _gguf_float(t, hf: str, heads: int, cfg: ModelConfig, path: str,
@@ -419,27 +400,9 @@ def to_decoder_layout(cfg: ModelConfig, weights, raw: dict) -> None:
     qkv_proj, gate_up_proj), then a partial rotary head's q / k rows moved (partial_rotary_rows)."""
     families.for_gguf(cfg.arch).split_weights(cfg, weights, raw)
     if cfg.num_experts:
-        _split_stacked_hf_experts(cfg, weights)
+        expert_tensors.split_stacked_hf_experts(cfg, weights)
     if cfg.rotary_dim:
         _move_partial_rotary_rows(cfg, weights, raw)
-
-
-def _split_stacked_hf_experts(cfg: ModelConfig, weights) -> None:
-    """transformers 5's own layout of a layer's experts, `mlp.experts.gate_up_proj` [E, 2 I, H] and
-    `mlp.experts.down_proj` [E, H, I] (its save_pretrained writes the per-expert names back; a state dict
-    saved as it is keeps these), as the per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`."""
-    inter = cfg.moe_intermediate_size
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}.mlp.experts."
-        for stacked, pieces in (("gate_up_proj", (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))),
-                                ("down_proj", (("down_proj", 0, None),))):
-            name = next((n for n in (p + stacked, p + stacked + ".weight") if n in weights), None)
-            if name is None:
-                continue
-            full = weights.pop(name)
-            for e in range(full.shape[0]):
-                for proj, a, b in pieces:
-                    weights[f"{p}{e}.{proj}.weight"] = full[e, a:b].contiguous()
 
 
 def partial_rotary_rows(head_dim: int, rotary_dim: int) -> torch.Tensor:
