@@ -228,8 +228,8 @@ def test_moe_gguf_as_llama_cpp_writes_it_matches_transformers(tmp_path, bundled_
     _write_moe_gguf(path, hf, arch, fuse_gate_up=fuse)
     files = _gguf_files(path, bundled_tokenizer)
     cfg = files.config
-    assert (cfg.arch, cfg.num_experts, cfg.experts_per_token) == (arch, hf.config.num_experts if kind != "mixtral"
-                                                                  else hf.config.num_local_experts, hf.config.num_experts_per_tok)
+    experts = hf.config.num_local_experts if kind == "mixtral" else hf.config.num_experts
+    assert (cfg.arch, cfg.num_experts, cfg.experts_per_token) == (arch, experts, hf.config.num_experts_per_tok)
     assert cfg.norm_topk_prob == (arch != "olmoe") and cfg.qk_norm_full == (arch == "olmoe")
     assert cfg.moe_layers == [i not in getattr(hf.config, "mlp_only_layers", []) for i in range(cfg.num_layers)]
     llm = LLM(max_model_len=128, num_kv_blocks=32, loaded=files)
@@ -292,7 +292,8 @@ _BASE = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_l
     (dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2), "moe_intermediate_size=0"),
     (dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
           decoder_sparse_step=0), "decoder_sparse_step=0"),
-    (dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, sliding_window=4096), "sliding_window=4096"),
+    (dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, sliding_window=4096),
+     "sliding_window=4096"),
     (dict(model_type="olmoe", num_experts=8, num_experts_per_tok=2, clip_qkv=8.0), "clip_qkv=8.0"),
 ])
 def test_unsupported_moe_configs_are_refused_naming_the_key(cfg, message):

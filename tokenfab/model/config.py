@@ -2,7 +2,8 @@
 
 The fields every family shares come first; the switches after them (norm offset, sandwich norms, GeGLU,
 sliding windows, NoPE layers, multipliers, mixture-of-experts layers) are set by the families
-(model/families/), which read their own keys. `from_hf` reads the shared config.json keys and hands the rest to the family.
+(model/families/), which read their own keys. `from_hf` reads the shared config.json keys and hands the rest
+to the family.
 """
 from __future__ import annotations
 
