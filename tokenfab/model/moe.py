@@ -59,16 +59,14 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(F.linear(x.to(self.router.dtype), self.router), self.top_k, self.normalize)
         order, counts = group_by_expert(experts, self.num_experts)
-        weights = weights.reshape(-1)
-        out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            pairs = order[start:start + n]
-            start += n
-            tokens = pairs // self.top_k
-            y = self.experts[e](x[tokens])
-            out.index_add_(0, tokens, (y * weights[pairs, None].to(y.dtype)).to(out.dtype))
-        return out
-
+        tokens = order // self.top_k
+        rows = x[tokens]                     # the step's (token, choice) rows, grouped by expert
+        outs, start = [], 0
+        for e, n in enumerate(counts):      # each picked expert once, on all of its rows; the others not at all
+            if n:
+                outs.append(self.experts[e](rows[start:start + n]))
+                start += n
+        y = torch.cat(outs) if len(outs) > 1 else outs[0]
+        y = y * weights.reshape(-1)[order, None].to(y.dtype)
+        # summed per token in pair order, i.e. ascending expert, as transformers' loop adds them
+        return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
