@@ -5,6 +5,11 @@ weights and a random router, so routing is near uniform. Prints ms per step, the
 grouped step reaches on the experts it reads (distinct experts touched x bytes per expert / time).
 
     python benchmarks/moe_layer.py [--threads 1] [--experts 64] [--top-k 8] [--hidden 2048] [--width 1024]
+                                   [--measured]
+
+--measured: each expert projection's kernel per row count from a kernel table measured now (as the engine's
+load does, kernels/select.py; kept in memory, the machine's cached table is not touched), instead of the
+default rules.
 """
 import argparse
 import time
@@ -62,12 +67,19 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--measured", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     moe = build(a.experts, a.top_k, a.hidden, a.width)
+    if a.measured:
+        from tokenfab.kernels.select import select_kernels
+        from tokenfab.kernels.tuning import KernelTable
+        report = select_kernels(moe, max_rows=128, head_max_rows=1, table=KernelTable({}, None))
+        print("measured plans:", "; ".join(f"{k}: {v} (measured in {report.measured_s:.0f} s)" for k, v in report.plans.items()))
     expert_bytes = 3 * a.hidden * a.width * 144 // 256          # Q4_K: 144 bytes per 256 weights
     print(f"{a.experts} experts, {a.top_k} per token, hidden {a.hidden}, width {a.width}, Q4_K "
-          f"({expert_bytes / 2**20:.1f} MiB per expert), {a.threads} thread(s)")
+          f"({expert_bytes / 2**20:.1f} MiB per expert), {a.threads} thread(s), "
+          f"{'measured plans' if a.measured else 'default plans'}")
     print(f"{'tokens':>6} {'experts read':>12} {'grouped ms':>10} {'token-by-token ms':>17} {'ratio':>6} {'GB/s':>6}")
     torch.manual_seed(0)
     for tokens in (1, 8, 32, 128):
