@@ -82,16 +82,24 @@ def test_each_picked_expert_runs_once_per_step_on_all_its_tokens_and_unpicked_on
     assert torch.allclose(y, _naive(moe, x), atol=1e-5, rtol=1e-4)
 
 
-def test_grouped_experts_through_the_kernel_seam_equal_the_float_loop_on_their_weights():
-    """int8 experts (quant/apply.py swaps each expert's linears; the router stays float): grouped equals
-    the token-by-token loop through the same quantized modules, at 1, 7 and 64 tokens, up to the kernels'
-    activation rounding, which depends on the row count (a kernel per row range)."""
+@pytest.mark.parametrize("scheme,width", [("int8", 64), ("q4_k", 256)])
+def test_grouped_experts_through_the_kernel_seam_equal_the_loop_on_the_same_layers(scheme, width):
+    """Quantized experts (quant/apply.py swaps each expert's linears; the router stays float): grouped equals
+    the token-by-token loop through the same quantized modules at 1, 7, 64 and 512 tokens, with expert 0 in
+    every token's top k and the rest shared unevenly, up to the kernels' activation rounding, which depends on
+    the row count (a kernel per row range)."""
     from tokenfab.quant.apply import quantize_model
-    moe = _moe(num_experts=6, k=2)
-    quantize_model(moe, "int8", keep_float=[])
-    assert type(moe.experts[0].gate_up_proj).__name__ != "Linear" and isinstance(moe.router, torch.nn.Parameter)
-    for tokens in (1, 7, 64):
-        x = torch.randn(tokens, 64)
+    from tokenfab.quant.linear import QuantLinear
+    moe = _moe(num_experts=6, k=2, hidden=width, inter=width)
+    quantize_model(moe, scheme, keep_float=[])
+    assert isinstance(moe.experts[0].gate_up_proj, QuantLinear) and isinstance(moe.router, torch.nn.Parameter)
+    # positive rows: a constant router row gives expert 0 logits of ~3.2, the others N(0, 1), so expert 0 is in
+    # every token's top 2 and the second choice still weighs ~0.1
+    moe.router.data = torch.randn(6, width) / width ** 0.5
+    moe.router.data[0] = 4.0 / width
+    for tokens in (1, 7, 64, 512):
+        x = torch.randn(tokens, width).abs()
+        assert bool((route(F.linear(x, moe.router), 2, True)[1] == 0).any(-1).all())
         want = _naive(moe, x)
         assert float((moe(x) - want).abs().max()) < 2e-3 * float(want.abs().max()), tokens
 
