@@ -335,3 +335,14 @@ def test_tensor_parallelism_refuses_moe_by_name():
     cfg = ModelConfig.from_hf({**_BASE, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2})
     with pytest.raises(ValueError, match="mixture-of-experts models .4 experts. are not sharded"):
         check_divisible(cfg, 2)
+
+
+def test_a_gguf_file_asking_more_experts_per_token_than_it_has_is_one_clear_line(tmp_path):
+    from tests.oracle import write_gguf_metadata
+    from tokenfab.model.loader import ModelLoadError, gguf_config, open_gguf
+    path = tmp_path / "bad.gguf"
+    write_gguf_metadata(path, "qwen3moe", {"qwen3moe.expert_count": 4, "qwen3moe.expert_used_count": 6,
+                                           "qwen3moe.expert_feed_forward_length": 32})
+    with pytest.raises(ModelLoadError, match=r"bad.gguf: qwen3moe.expert_used_count=6 must be between 1 and "
+                                             r"qwen3moe.expert_count=4"):
+        gguf_config(open_gguf(str(path)), str(path))

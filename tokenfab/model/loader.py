@@ -203,7 +203,11 @@ def gguf_config(reader, path: str) -> ModelConfig:
         )
         experts = field(f"{arch}.expert_count")
         if experts:         # llama.cpp's keys; a layer with a router tensor is a mixture-of-experts layer
-            cfg.set_experts(int(experts), int(field(f"{arch}.expert_used_count", 0)),
+            used = int(field(f"{arch}.expert_used_count", 0))
+            if not 0 < used <= int(experts):
+                raise ModelLoadError(f"{path}: {arch}.expert_used_count={used} must be between 1 and "
+                                     f"{arch}.expert_count={int(experts)}")
+            cfg.set_experts(int(experts), used,
                             int(field(f"{arch}.expert_feed_forward_length") or cfg.intermediate_size), True,
                             [f"blk.{i}.ffn_gate_inp.weight" in names for i in range(cfg.num_layers)])
         family.from_gguf(field, cfg)        # may set its own routing normalisation (OLMoE: none)
@@ -213,7 +217,9 @@ def gguf_config(reader, path: str) -> ModelConfig:
         return cfg
     except (TypeError, KeyError) as e:
         raise ModelLoadError(f"{path}: GGUF metadata is missing a required field ({e})") from None
-    except ValueError as e:
+    except ModelLoadError:
+        raise
+    except ValueError as e:         # numbers that do not fit together, e.g. more experts per token than experts
         raise ModelLoadError(f"{path}: {e}") from None
 
 
