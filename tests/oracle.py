@@ -72,6 +72,23 @@ TINY_CONFIGS = {
                         partial_rotary_factor=0.75, original_max_position_embeddings=64, sliding_window=48,
                         rope_scaling=dict(type="longrope", short_factor=[1.0, 1.1, 1.9, 2.5, 3.0, 3.3],
                                           long_factor=[1.2, 2.0, 5.0, 11.0, 17.0, 30.0])),
+    # mixture of experts (model/moe.py): 8 experts of width 32, 2 per token; Qwen3-MoE with q/k norms per head
+    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1000000.0,
+                      tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True),
+    # its first layer dense (mlp_only_layers), 3 experts per token, tied embeddings
+    "qwen3_moe-dense0": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1000000.0,
+                             tie_word_embeddings=True, num_experts=8, num_experts_per_tok=3,
+                             moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0]),
+    "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=False,
+                    num_local_experts=6, num_experts_per_tok=2, sliding_window=None),
+    # OLMoE: q/k norms over the whole projection, no renormalisation
+    "olmoe": dict(model_type="olmoe", hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, rope_theta=10000.0, tie_word_embeddings=False,
+                  num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, pad_token_id=None),
     "llama-linear-rope": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                               rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),

@@ -190,6 +190,11 @@ def cmd_info(args) -> int:
         # what a --kv-cache-memory-bytes of 1 GiB holds (the engine sizes its block pool the same way)
         "kv_tokens_per_gib": {d: (1 << 30) // b for d, b in kv_bytes.items()},
     }
+    if cfg.num_experts:         # mixture of experts (model/moe.py): what one token reads of the whole
+        info["experts"] = {"experts": cfg.num_experts, "per_token": cfg.experts_per_token,
+                           "expert_intermediate_size": cfg.moe_intermediate_size,
+                           "moe_layers": sum(map(cfg.is_moe, range(cfg.num_layers))),
+                           "active_parameters": cfg.num_active_params()}
     if cfg.sliding_window:      # Gemma 3: what the sliding layers' own pool saves (engine/sliding_kv.py)
         from tokenfab.config import EngineConfig
         from tokenfab.worker.kv_sizing import sliding_savings
@@ -214,6 +219,9 @@ def cmd_info(args) -> int:
             v = ", ".join(f"{d}: {b:,} B" for d, b in v.items())
         elif k == "kv_tokens_per_gib":
             v = ", ".join(f"{d}: {n:,}" for d, n in v.items())
+        elif k == "experts":
+            v = (f"{v['per_token']} of {v['experts']} per token, {v['expert_intermediate_size']} wide, on "
+                 f"{v['moe_layers']} layers; {v['active_parameters']:,} parameters active per token")
         elif k in ("memory_mib", "linear_kernels"):
             v = ", ".join(f"{d}: {n}" for d, n in v.items())
         elif k == "file_tensor_types":

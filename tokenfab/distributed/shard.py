@@ -30,6 +30,9 @@ def check_divisible(cfg, tp: int) -> None:
     """ValueError naming the numbers when the model does not split into `tp` equal shards."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+    if tp > 1 and cfg.num_experts:
+        raise ValueError(f"tensor_parallel_size {tp}: mixture-of-experts models ({cfg.num_experts} experts) are not "
+                         "sharded yet; use tensor_parallel_size 1")
     kv_ok = cfg.num_kv_heads % tp == 0 or tp % cfg.num_kv_heads == 0    # split, or replicated
     for what, n in (("attention heads", cfg.num_heads), ("KV heads", 0 if kv_ok else cfg.num_kv_heads),
                     ("MLP intermediate size", cfg.intermediate_size)):

@@ -243,8 +243,8 @@ def _set_bf16_feeds(model) -> None:
         attn.o_bf16 = not layer.sandwich and isinstance(attn.o_proj, KernelLinear)
         if attn.q_norm is None and isinstance(attn.qkv_proj, KernelLinear):
             layer.input_layernorm.feeds = attn.qkv_proj
-        if isinstance(mlp.gate_up_proj, KernelLinear) and isinstance(mlp.down_proj, KernelLinear):
-            mlp_norm.feeds = mlp.gate_up_proj
+        if isinstance(getattr(mlp, "gate_up_proj", None), KernelLinear) and isinstance(mlp.down_proj, KernelLinear):
+            mlp_norm.feeds = mlp.gate_up_proj       # a dense MLP (an MoE layer's router reads float32 rows)
 
 
 def _stack_reach(plan, cap: int) -> tuple[tuple[tuple[int, int], ...], int]:
@@ -284,8 +284,9 @@ def _build_stack(model, kv_caches, cap: int, big_cap: int = 0) -> tuple | None:
     from tokenfab.kernels.tuning import STACK_KERNELS, default_plan
 
     cfg = model.config
+    # the C layer table has a dense MLP and per-head q/k norms: MoE models run layer by layer (model/moe.py)
     if cfg.qkv_bias or cfg.head_dim > kernels.MAX_HEAD_DIM or cfg.head_dim % 2 \
-            or cfg.hidden_act not in kernels.ACTIVATIONS:
+            or cfg.hidden_act not in kernels.ACTIVATIONS or cfg.num_experts or cfg.qk_norm_full:
         return None
     limit = max(cap, big_cap)
     rows = set(range(1, limit + 1))

@@ -1,8 +1,9 @@
 """ModelConfig: the architecture numbers of a Llama-family decoder, from GGUF metadata or config.json.
 
 The fields every family shares come first; the switches after them (norm offset, sandwich norms, GeGLU,
-sliding windows, NoPE layers, multipliers) are set by the families (model/families/), which read their
-own keys. `from_hf` reads the shared config.json keys and hands the rest to the family.
+sliding windows, NoPE layers, multipliers, mixture-of-experts layers) are set by the families
+(model/families/), which read their own keys. `from_hf` reads the shared config.json keys and hands the rest
+to the family.
 """
 from __future__ import annotations
 
@@ -46,6 +47,27 @@ class ModelConfig:
     # weight at load
     logits_scaling: float | None = None
     granite: dict | None = None              # the multipliers and eps as the checkpoint states them
+    # mixture of experts (model/moe.py; Qwen3-MoE, Mixtral, OLMoE): 0 experts is the dense MLP everywhere
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0           # each expert's MLP width
+    norm_topk_prob: bool = True              # the k chosen router probabilities renormalised to sum to 1
+    moe_layers: list[bool] = field(default_factory=list)   # per layer: experts (True) or the dense MLP
+    qk_norm_full: bool = False               # OLMoE: the q/k norms span the whole projection, not each head
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer < len(self.moe_layers) and self.moe_layers[layer]
+
+    def set_experts(self, num_experts: int, per_token: int, intermediate_size: int, normalize: bool,
+                    layers: list[bool] | None = None) -> None:
+        """Mixture-of-experts layers (`layers`: which; None: all); ValueError naming the key that is off."""
+        if num_experts < 1 or not 0 < per_token <= num_experts:
+            raise ValueError(f"num_experts_per_tok={per_token} must be between 1 and num_experts={num_experts}")
+        if intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size={intermediate_size} must be positive")
+        self.num_experts, self.experts_per_token = int(num_experts), int(per_token)
+        self.moe_intermediate_size, self.norm_topk_prob = int(intermediate_size), bool(normalize)
+        self.moe_layers = list(layers) if layers is not None else [True] * self.num_layers
 
     def is_nope(self, layer: int) -> bool:
         return layer < len(self.nope_layers) and self.nope_layers[layer]
@@ -59,9 +81,16 @@ class ModelConfig:
         kv = self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
         mlp = 3 * h * i
-        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
+        moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)     # the experts and the router
+        qk = (q + kv if self.qk_norm_full else 2 * self.head_dim) if self.qk_norm else 0
+        norms = (4 if self.sandwich_norms else 2) * h + qk
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return L * (attn + mlp + norms) + emb + h
+        return sum(attn + norms + (moe if self.is_moe(n) else mlp) for n in range(L)) + emb + h
+
+    def num_active_params(self) -> int:
+        """The parameters one token's forward reads: a mixture-of-experts layer's k experts, not all of them."""
+        unused = (self.num_experts - self.experts_per_token) * 3 * self.hidden_size * self.moe_intermediate_size
+        return self.num_params() - unused * sum(map(self.is_moe, range(self.num_layers)))
 
     def kv_bytes_per_token(self, bytes_per_element: float) -> int:
         """K and V for every layer: 2 x layers x kv_heads x head_dim x element size."""

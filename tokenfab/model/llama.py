@@ -1,6 +1,8 @@
 """The Llama-family decoder: Llama, SmolLM, Mistral, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm), and
 Gemma 3 as a configuration of it (ModelConfig's switches: (1 + weight) norms, four norms per layer,
 GeGLU, q/k norms, sliding-window layers with their own RoPE base, scaled embeddings and attention).
+Mixture-of-experts layers (Qwen3-MoE, Mixtral, OLMoE) replace a layer's MLP by model/moe.py's `MoE`,
+whose experts are this file's `MLP`.
 
 It runs a flat batch: `input_ids` and `positions` concatenated over all sequences of a step, with the
 attention layout in an `AttentionMetadata` passed in by the runner. Projections are plain `nn.Linear`
@@ -22,6 +24,7 @@ from tokenfab import kernels
 from tokenfab.model.attention import AttentionMetadata
 from tokenfab.model.config import ModelConfig
 from tokenfab.model.layers import RMSNorm, RotaryEmbedding
+from tokenfab.model.moe import MoE
 
 
 class Attention(nn.Module):
@@ -33,8 +36,11 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.h * self.d, self.kvh * self.d
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # per head (Qwen3, Gemma 3), or over the whole projection (OLMoE: qk_norm_full)
+        self.qk_full = cfg.qk_norm_full
+        q_width, k_width = (self.q_size, self.kv_size) if self.qk_full else (self.d, self.d)
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.block_size = block_size
         self.backend = None                 # the model's AttentionBackend (model/backends.py), set at load
         self.o_bf16 = False                 # the backend may hand o_proj bfloat16 rows (set at load by it)
@@ -43,7 +49,11 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_full:
+            qkv = qkv.contiguous()
+            qkv[:, :self.q_size] = self.q_norm(qkv[:, :self.q_size])
+            qkv[:, self.q_size:self.q_size + self.kv_size] = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size])
+        elif self.q_norm is not None:
             qkv = qkv.contiguous()
             qkv[:, :self.q_size] = self.q_norm(qkv[:, :self.q_size].view(T, self.h, self.d)).view(T, -1)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.kvh, self.d)
@@ -53,14 +63,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
+        """`intermediate_size`: a mixture-of-experts expert's width (default: the dense MLP's)."""
         super().__init__()
-        self.inter = cfg.intermediate_size
+        self.inter = intermediate_size or cfg.intermediate_size
         if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported activation {cfg.hidden_act!r}; supported: silu, gelu_pytorch_tanh")
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"       # GeGLU (Gemma) instead of SwiGLU
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
         self.c_kernel = False               # C SwiGLU / GeGLU; set once at load by the cpu backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +95,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, block_size, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg, lambda: MLP(cfg, cfg.moe_intermediate_size)) if cfg.is_moe(index) else MLP(cfg)
         # Gemma: post_attention_layernorm normalizes the attention output, and the MLP gets its own
         # pre and post norms (Llama's post_attention_layernorm is the MLP's input norm)
         self.sandwich = cfg.sandwich_norms
@@ -189,12 +200,13 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"weight {name} is missing from the checkpoint")
             return weights[name]
 
-        def put(module: nn.Module, value: torch.Tensor, name: str, attr: str = "weight") -> None:
+        def put(module: nn.Module, value: torch.Tensor, name: str, attr: str = "weight",
+                as_dtype: torch.dtype | None = None) -> None:
             # The model may have been built on the meta device: replace the parameter, don't copy into it.
             want = tuple(getattr(module, attr).shape)
             if tuple(value.shape) != want:
                 raise ValueError(f"weight {name} has shape {tuple(value.shape)}, expected {want}")
-            setattr(module, attr, nn.Parameter(value.to(dtype).contiguous(), requires_grad=False))
+            setattr(module, attr, nn.Parameter(value.to(as_dtype or dtype).contiguous(), requires_grad=False))
 
         def put_linear(owner: nn.Module, attr: str, sources: list[str], name: str) -> None:
             module = getattr(owner, attr)
@@ -228,8 +240,14 @@ class LlamaModel(nn.Module):
             if cfg.qk_norm:
                 put_norm(a.q_norm, p + "self_attn.q_norm.weight")
                 put_norm(a.k_norm, p + "self_attn.k_norm.weight")
-            put_linear(layer.mlp, "gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"], p + "mlp.gate_up_proj")
-            put_linear(layer.mlp, "down_proj", [p + "mlp.down_proj"], p + "mlp.down_proj.weight")
+            if isinstance(layer.mlp, MoE):    # the router stays float32 (model/moe.py); each expert an MLP
+                put(layer.mlp, take(p + "mlp.gate.weight"), p + "mlp.gate.weight", "router", torch.float32)
+                experts = [(expert, f"{p}mlp.experts.{e}.") for e, expert in enumerate(layer.mlp.experts)]
+            else:
+                experts = [(layer.mlp, p + "mlp.")]
+            for mlp, q in experts:
+                put_linear(mlp, "gate_up_proj", [q + "gate_proj", q + "up_proj"], q + "gate_up_proj")
+                put_linear(mlp, "down_proj", [q + "down_proj"], q + "down_proj.weight")
             put_norm(layer.input_layernorm, p + "input_layernorm.weight")
             put_norm(layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
             if layer.sandwich:

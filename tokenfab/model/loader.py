@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenfab.model import families
+from tokenfab.model import expert_tensors, families
 from tokenfab.model import rope as rope_scalings
 from tokenfab.files.bundled import resolve_model_path
 from tokenfab.model.config import ModelConfig
@@ -201,11 +201,26 @@ def gguf_config(reader, path: str) -> ModelConfig:
             eos_token_ids=[] if eos is None else [int(eos)],
             name=str(field("general.name", "")),
         )
-        family.from_gguf(field, cfg)
+        experts = field(f"{arch}.expert_count")
+        if experts:         # llama.cpp's keys; a layer with a router tensor is a mixture-of-experts layer
+            used = int(field(f"{arch}.expert_used_count", 0))
+            if not 0 < used <= int(experts):
+                raise ModelLoadError(f"{path}: {arch}.expert_used_count={used} must be between 1 and "
+                                     f"{arch}.expert_count={int(experts)}")
+            cfg.set_experts(int(experts), used,
+                            int(field(f"{arch}.expert_feed_forward_length") or cfg.intermediate_size), True,
+                            [f"blk.{i}.ffn_gate_inp.weight" in names for i in range(cfg.num_layers)])
+        family.from_gguf(field, cfg)        # may set its own routing normalisation (OLMoE: none)
+        if field(f"{arch}.expert_weights_norm") is not None:      # the file's own word wins
+            cfg.norm_topk_prob = bool(field(f"{arch}.expert_weights_norm"))
         cfg.rope_scaling = _gguf_rope_scaling(reader, field, arch, cfg, path)
         return cfg
     except (TypeError, KeyError) as e:
         raise ModelLoadError(f"{path}: GGUF metadata is missing a required field ({e})") from None
+    except ModelLoadError:
+        raise
+    except ValueError as e:         # numbers that do not fit together, e.g. more experts per token than experts
+        raise ModelLoadError(f"{path}: {e}") from None
 
 
 def _gguf_rope_scaling(reader, field, arch: str, cfg: ModelConfig, path: str) -> dict | None:
@@ -270,8 +285,9 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
     types: dict[str, int] = {}
     raw: dict[str, tuple[str, np.ndarray]] = {}
     for t in reader.tensors:
+        stacked = expert_tensors.stacked_experts(t.name)
         try:
-            hf = gguf_name_to_hf(t.name, cfg.arch)
+            hf = gguf_name_to_hf(t.name, cfg.arch) if stacked is None else ""
         except KeyError:
             continue  # e.g. rope_freqs: read into the config's rope_scaling (_gguf_rope_scaling)
         qtype = t.tensor_type
@@ -284,6 +300,12 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
             raise ModelLoadError(f"{path}: tensor {t.name} of type {qtype.name} cannot be read, the file is "
                                  f"truncated or corrupt ({t.data.nbytes} of its "
                                  f"{int(t.n_elements) // block * block_bytes} bytes are there)")
+        if stacked is not None:     # each expert's slice alone: a float read dequantizes one expert, not the stack
+            for hf, e, rows in expert_tensors.expert_slices(t.data.shape[0], *stacked, cfg.moe_intermediate_size):
+                weights.defer(hf, lambda t=t, hf=hf, part=(e, rows): _gguf_float(t, hf, 0, cfg, path, part))
+                if qtype.name in _NATIVE_GGUF_TYPES:
+                    raw[hf] = (qtype.name, t.data[e][rows])
+            continue
         heads = _rope_permuted_heads(cfg, hf)
         weights.defer(hf, lambda t=t, hf=hf, heads=heads: _gguf_float(t, hf, heads, cfg, path))
         if qtype.name in _NATIVE_GGUF_TYPES:
@@ -294,12 +316,14 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
     return weights, types, raw
 
 
-def _gguf_float(t, hf: str, heads: int, cfg: ModelConfig, path: str) -> torch.Tensor:
-    """One GGUF tensor as float32, in HF's row order and norm convention."""
+def _gguf_float(t, hf: str, heads: int, cfg: ModelConfig, path: str,
+                part: tuple[int, slice] | None = None) -> torch.Tensor:
+    """One GGUF tensor as float32, in HF's row order and norm convention (`part`: one expert's rows of a
+    stacked tensor)."""
     import gguf
 
     try:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = gguf.quants.dequantize(t.data if part is None else t.data[part[0]][part[1]], t.tensor_type)
     except Exception as e:
         raise ModelLoadError(f"{path}: tensor {t.name} of type {t.tensor_type.name} cannot be read, the file is "
                              f"truncated or corrupt ({type(e).__name__}: {e})") from None
@@ -381,6 +405,8 @@ def to_decoder_layout(cfg: ModelConfig, weights, raw: dict) -> None:
     """A family's tensors in the decoder's names and row order, in place: fused tensors split (Phi-3's
     qkv_proj, gate_up_proj), then a partial rotary head's q / k rows moved (partial_rotary_rows)."""
     families.for_gguf(cfg.arch).split_weights(cfg, weights, raw)
+    if cfg.num_experts:
+        expert_tensors.split_stacked_hf_experts(cfg, weights)
     if cfg.rotary_dim:
         _move_partial_rotary_rows(cfg, weights, raw)
 

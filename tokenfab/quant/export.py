@@ -48,7 +48,24 @@ def hf_config_dict(cfg) -> dict:
         "torch_dtype": "float32",
         **(cfg.granite or {}),          # Granite: its multipliers and eps as stated (model/families/granite.py)
         **({"no_rope_layers": [int(not n) for n in cfg.nope_layers]} if any(cfg.nope_layers) else {}),   # SmolLM3
+        **_moe_config(cfg),
     }
+
+
+def _moe_config(cfg) -> dict:
+    """A mixture-of-experts model's keys (model/families/qwen3_moe.py, mixtral.py, olmoe.py), under its HF
+    `model_type`: a Llama GGUF file with experts is Mixtral."""
+    if not cfg.num_experts:
+        return {}
+    from tokenfab.model import families
+    model_type = "mixtral" if cfg.arch in ("llama", "mixtral") else families.for_gguf(cfg.arch).hf_model_types[0]
+    if model_type != "qwen3_moe" and cfg.moe_intermediate_size != cfg.intermediate_size:
+        raise ValueError(f"{model_type} configs have no moe_intermediate_size; this model's experts are "
+                         f"{cfg.moe_intermediate_size} wide and its dense MLP {cfg.intermediate_size}")
+    return {"model_type": model_type, "num_experts": cfg.num_experts, "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.experts_per_token, "moe_intermediate_size": cfg.moe_intermediate_size,
+            "norm_topk_prob": cfg.norm_topk_prob,
+            "mlp_only_layers": [i for i in range(cfg.num_layers) if not cfg.is_moe(i)]}
 
 
 def build_float_model(files, max_positions: int, quantization: str = "none"):

@@ -80,13 +80,19 @@ def use_gguf_blocks(model, raw: dict[str, tuple[str, np.ndarray]], weights=None,
     plan: list[tuple[list[str], torch.nn.Module]] = []
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        a, m = layer.self_attn, layer.mlp
-        holder.update({a.qkv_proj: (a, "qkv_proj"), a.o_proj: (a, "o_proj"),
-                       m.gate_up_proj: (m, "gate_up_proj"), m.down_proj: (m, "down_proj")})
+        a = layer.self_attn
+        holder.update({a.qkv_proj: (a, "qkv_proj"), a.o_proj: (a, "o_proj")})
         plan += [([p + f"self_attn.{n}_proj.weight" for n in "qkv"], a.qkv_proj),
-                 ([p + "self_attn.o_proj.weight"], a.o_proj),
-                 ([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], m.gate_up_proj),
-                 ([p + "mlp.down_proj.weight"], m.down_proj)]
+                 ([p + "self_attn.o_proj.weight"], a.o_proj)]
+        # a dense MLP, or each expert of a mixture-of-experts layer (llama.cpp's stacked tensors, read per
+        # expert by the loader); the router stays float (model/moe.py)
+        experts = getattr(layer.mlp, "experts", None)
+        mlps = ([(m, f"{p}mlp.experts.{e}.") for e, m in enumerate(experts)] if experts is not None
+                else [(layer.mlp, p + "mlp.")])
+        for m, q in mlps:
+            holder.update({m.gate_up_proj: (m, "gate_up_proj"), m.down_proj: (m, "down_proj")})
+            plan += [([q + "gate_proj.weight", q + "up_proj.weight"], m.gate_up_proj),
+                     ([q + "down_proj.weight"], m.down_proj)]
     holder[model.lm_head] = (model, "lm_head")
     head_src = "lm_head.weight" if "lm_head.weight" in raw else "model.embed_tokens.weight"
     plan.append(([head_src], model.lm_head))

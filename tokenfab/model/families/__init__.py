@@ -17,6 +17,15 @@ LLAMA_LAYER_NAMES: Mapping[str, str] = {
     "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",          # a mixture-of-experts layer's router (model/moe.py)
+}
+
+# llama.cpp's mixture-of-experts tensors hold every expert of a layer, stacked [experts, rows, columns]; the
+# loader reads each expert's slice under HF's per-expert name, `mlp.experts.{e}.<proj>` (the fused gate/up
+# form, `ffn_gate_up_exps`, splits into both)
+STACKED_EXPERT_NAMES: Mapping[str, tuple[str, ...]] = {
+    "ffn_gate_exps": ("gate_proj",), "ffn_up_exps": ("up_proj",), "ffn_down_exps": ("down_proj",),
+    "ffn_gate_up_exps": ("gate_proj", "up_proj"),
 }
 
 
@@ -69,4 +78,5 @@ def for_gguf(arch: str | None) -> Family | None:
     return _BY_ARCH.get(arch or "")
 
 
-from tokenfab.model.families import gemma3, granite, llama, phi3, qwen, smollm3  # noqa: E402,F401  (they register)
+from tokenfab.model.families import (  # noqa: E402,F401  (they register)
+    gemma3, granite, llama, mixtral, olmoe, phi3, qwen, qwen3_moe, smollm3)
