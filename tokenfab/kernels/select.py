@@ -5,7 +5,9 @@ where a step's linear time goes from the same table (`tokenfab doctor`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +30,21 @@ class KernelReport:
     table_path: str | None
     forced: str | None
     ranges: dict[str, list[tuple[int | None, str]]] = field(default_factory=dict)   # shape key -> (max rows, kernel)
+
+
+@contextlib.contextmanager
+def _progress(total: int):
+    """A transient bar on stderr while the table measures (a 1B model's first load on a CPU: a minute or two),
+    yielding the step callback; nothing when there is nothing to measure or stderr is not a terminal."""
+    if total == 0 or not sys.stderr.isatty():
+        yield lambda: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    with Progress(TextColumn("measuring kernels"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("", total=total)
+        yield lambda: bar.advance(task)
 
 
 def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int, autotune: bool = True,
@@ -62,15 +79,22 @@ def select_kernels(model: torch.nn.Module, *, max_rows: int, head_max_rows: int,
     opt_out = set() if int8_activations else {k.name for k in registered() if getattr(k, "opt_in", False)}
     tbl = table if table is not None else (KernelTable.load() if autotune else None)
     if tbl is not None and autotune:
-        dirty, busy = False, []
+        dirty, busy, todo = False, [], []
         for key, ms in by_key.items():
             rows = row_buckets(rows_for[key], SMALL_ROWS if ms[0].weight_format == "float" else None)
             names = [k.name for k in candidates(ms[0]) if k.name not in opt_out]
             if len(names) > 1 and not tbl.has(key, rows, [n for n in names if n != "dequant" or "float" not in names]):
+                todo.append((key, ms, rows))
+        if todo:
+            log.info("measuring the kernel table for %d layer shapes (once per CPU and build; cached in %s)",
+                     len(todo), tbl.path)
+        with _progress(len(todo)) as advance:
+            for key, ms, rows in todo:
                 share = tbl.measure(ms, rows, opt_out)
                 dirty = True
                 if tbl.entries[key].get("busy"):
                     busy.append(f"{key} ({100 * share:.0f} %)")
+                advance()
         if busy:
             log.warning("kernel table: other processes used more than %d %% of the CPUs while %s were measured; "
                         "those shapes are measured again at the next %d loads at most, keeping each time's "
