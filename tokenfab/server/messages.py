@@ -174,7 +174,7 @@ def chat_messages(req: CountTokensRequest) -> list[dict]:
 
 def _block_type(b, where: str) -> str:
     kind = b.get("type") if isinstance(b, dict) else None
-    if kind not in BLOCK_FIELDS:
+    if not isinstance(kind, str) or kind not in BLOCK_FIELDS:
         raise APIError(400, f"{where}.type {kind!r} is not supported: tokenfab's /v1/messages takes text, tool_use "
                             "and tool_result blocks (no images, documents, thinking or server-tool blocks)",
                        param=f"{where}.type", code="unsupported")
@@ -253,7 +253,7 @@ def _tool_choice(tc: dict) -> tuple[object, bool]:
                            param="tool_choice.name", code="invalid_value")
         return {"type": "function", "function": {"name": tc["name"]}}, not no_parallel
     choices = {"auto": "auto", "any": "required", "none": "none"}
-    if kind not in choices:
+    if not isinstance(kind, str) or kind not in choices:
         raise APIError(400, f"tool_choice.type {kind!r} is not auto, any, tool or none", param="tool_choice.type",
                        code="invalid_value")
     return choices[kind], not no_parallel
