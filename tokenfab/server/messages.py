@@ -53,6 +53,9 @@ async def create_message(request: Request) -> Response:
     st: ServerState = request.app.state.tokenfab
     req: MessagesRequest = await st.parse(request, MessagesRequest)
     chat_req = _checked(st, req)
+    key = request.scope.get("state", {}).get("api_key")
+    if key is not None:               # the key's service classes, on the request as chat sees it
+        st.check_key(key, chat_req)
     p = await _prepare(st, chat_req)
     rid = f"msg_{uuid.uuid4().hex}"
     access = request.state.access = {"id": rid, "prompt_tokens": len(p.ids), "output_tokens": 0}
