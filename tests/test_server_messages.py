@@ -7,12 +7,17 @@ One server for the module, started with an API key, so every call here also goes
 """
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import jsonschema
 import pytest
 
 from serve_process import serve
+from tokenfab.server.messages import to_chat_request
+from tokenfab.server.messages_protocol import MessagesRequest
+from tokenfab.server.messages_reply import _Blocks, stop_reason
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -109,7 +114,8 @@ def test_stop_sequence_ends_the_reply_and_is_named(client, model, whole):
 
 
 def test_count_tokens_equals_the_prompt_tokens_of_the_reply(client, model, whole):
-    count = client.messages.count_tokens(model=model, messages=ASK, system=[{"type": "text", "text": "You are terse."}])
+    count = client.messages.count_tokens(model=model, messages=ASK,
+                                         system=[{"type": "text", "text": "You are terse."}])
     assert count.input_tokens == whole.usage.input_tokens
 
 
@@ -160,8 +166,9 @@ def test_tool_result_round_trip_gets_a_reply_counted_like_count_tokens(client, m
      400, "invalid_request_error", ["messages[0].content[0].type", "image"]),
     ({"max_tokens": 8, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 1024}},
      400, "invalid_request_error", ["thinking"]),
-    ({"max_tokens": 8, "messages": ASK, "tools": [{"type": "web_search_20250305", "name": "web_search",
-                                                   "input_schema": {}}]}, 400, "invalid_request_error", ["tools[0].type"]),
+    ({"max_tokens": 8, "messages": ASK,
+      "tools": [{"type": "web_search_20250305", "name": "web_search", "input_schema": {}}]},
+     400, "invalid_request_error", ["tools[0].type"]),
     ({"max_tokens": 8, "messages": ASK, "model": "no-such-model"}, 404, "not_found_error", ["no-such-model"]),
 ], ids=["missing-max-tokens", "image-block", "thinking", "server-tool", "unknown-model"])
 def test_bad_input_is_a_4xx_in_anthropics_shape(http, model, body, status, kind, words):
@@ -169,7 +176,8 @@ def test_bad_input_is_a_4xx_in_anthropics_shape(http, model, body, status, kind,
 
 
 def test_bad_json_is_a_400_in_anthropics_shape(http):
-    r = http.post("/v1/messages", content=b'{"model": "x", "max_tokens": 8,', headers={"content-type": "application/json"})
+    r = http.post("/v1/messages", content=b'{"model": "x", "max_tokens": 8,',
+                  headers={"content-type": "application/json"})
     assert_anthropic_error(r, 400, "invalid_request_error", "JSON")
 
 
@@ -182,7 +190,8 @@ def test_the_client_raises_its_bad_request_error_with_the_body(client, model):
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=model, max_tokens=8, messages=[{"role": "user", "content": [
             {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "hi"}}]}])
-    assert e.value.body["error"]["type"] == "invalid_request_error" and "document" in e.value.body["error"]["message"]
+    error = e.value.body["error"]
+    assert error["type"] == "invalid_request_error" and "document" in error["message"]
 
 
 def test_wrong_or_missing_key_is_a_401_in_anthropics_shape(url, model):
@@ -204,3 +213,45 @@ def test_the_key_works_as_a_bearer_token_and_x_api_key_works_on_openai_routes(ur
     assert bearer.messages.count_tokens(model=model, messages=ASK).input_tokens > 0
     with httpx.Client(base_url=url, timeout=60, trust_env=False) as c:
         assert c.get("/v1/models", headers={"x-api-key": KEY}).status_code == 200
+
+
+# -- the mapping and the event stream, without a server ------------------------------------------
+def test_tool_results_become_tool_messages_in_place_and_tool_uses_tool_calls():
+    req = MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "S"}],
+                                          "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "let me look"},
+            {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "cold", "is_error": True},
+            {"type": "text", "text": "and tomorrow?"}]}]})
+    chat_req = to_chat_request(req)
+    assert [m.as_template_input() for m in chat_req.messages] == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "let me look", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "content": "Error: cold", "tool_call_id": "toolu_1"},
+        {"role": "user", "content": "and tomorrow?"}]
+
+
+@pytest.mark.parametrize("finish, stopped_by, expected", [
+    ("tool_calls", None, ("tool_use", None)), ("length", None, ("max_tokens", None)),
+    ("stop", "END", ("stop_sequence", "END")), ("stop", 2, ("end_turn", None))])
+def test_finish_reasons_map_to_stop_reasons(finish, stopped_by, expected):
+    assert stop_reason(finish, stopped_by, ["END"]) == expected
+
+
+def test_text_then_a_call_stream_as_two_blocks_each_started_and_stopped():
+    blocks = _Blocks()
+    events = blocks.feed({"content": "Hi"}) + blocks.feed({"tool_calls": [
+        {"index": 0, "id": "call_ab", "type": "function", "function": {"name": "w", "arguments": '{"a"'}}]})
+    events += blocks.feed({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}) + blocks.close()
+    parsed = [(e.split("\n")[0].removeprefix("event: "), json.loads(e.split("\n")[1].removeprefix("data: ")))
+              for e in events]
+    assert [(name, data.get("index")) for name, data in parsed] == [
+        ("content_block_start", 0), ("content_block_delta", 0), ("content_block_stop", 0),
+        ("content_block_start", 1), ("content_block_delta", 1), ("content_block_delta", 1), ("content_block_stop", 1)]
+    assert parsed[3][1]["content_block"] == {"type": "tool_use", "id": "toolu_ab", "name": "w", "input": {}}
+    assert json.loads("".join(d["delta"]["partial_json"] for n, d in parsed if n == "content_block_delta"
+                              and d["delta"]["type"] == "input_json_delta")) == {"a": 1}

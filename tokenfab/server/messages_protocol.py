@@ -4,8 +4,9 @@ Types are strict, as in protocol.py. Unlike the OpenAI bodies, unknown top-level
 ("... is not a known field"): Anthropic's API grows features (`thinking`, `container`, `mcp_servers`)
 that change what a reply means, and a client that sends one must hear that it was not honoured. The
 fields Anthropic defines that tokenfab cannot honour are declared (so they parse) and refused by
-`unsupported()` with the reason the 400 gives. Content blocks stay plain dicts here: server/messages.py checks each block's type and fields and
-names the one at fault (`messages[2].content[0].type`), which a pydantic union cannot do clearly.
+`unsupported()` with the reason the 400 gives. Content blocks stay plain dicts here: server/messages.py
+checks each block's type and fields and names the one at fault (`messages[2].content[0].type`), which
+a pydantic union cannot do clearly.
 """
 from __future__ import annotations
 

@@ -79,10 +79,11 @@ class AccessLog:
 
 class APIKeyAuth:
     """`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY` (which wins when both are sent), on every
-    path but PUBLIC_PATHS (only /health with `all_routes`), compared in constant time; then the key's rate limits (server/keys.py): a 429 with Retry-After and the
-    x-ratelimit-* headers, which every answer to a limited key carries. The key's policy goes into the
-    request's state (`api_key`) for the per-request checks (ServerState.parse); the tokens a request used
-    are charged to its key when it ends (its `access` accounting)."""
+    path but PUBLIC_PATHS (only /health with `all_routes`), compared in constant time; then the key's rate
+    limits (server/keys.py): a 429 with Retry-After and the x-ratelimit-* headers, which every answer to
+    a limited key carries. The key's policy goes into the request's state (`api_key`) for the per-request
+    checks (ServerState.parse); the tokens a request used are charged to its key when it ends (its
+    `access` accounting)."""
 
     def __init__(self, app, policies: list, limiter=None, all_routes: bool = False) -> None:
         self.app = app
@@ -95,11 +96,11 @@ class APIKeyAuth:
         if scope["type"] != "http" or not self.policies or scope["path"] in self.public or scope["method"] == "OPTIONS" \
                 or (self.public_prefixes and scope["path"].startswith(self.public_prefixes)):
             return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        header = headers.get(b"authorization", b"")
+        sent = dict(scope["headers"])
+        header = sent.get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
-        if b"x-api-key" in headers:
-            scheme, token = b"bearer", headers[b"x-api-key"]
+        if b"x-api-key" in sent:
+            scheme, token = b"bearer", sent[b"x-api-key"]
         elif not header:
             return await send_error(send, scope, 401, "missing API key: send the header 'Authorization: Bearer <key>' "
                                     "or 'x-api-key: <key>'", "missing_api_key", [(b"www-authenticate", b"Bearer")])
@@ -116,7 +117,8 @@ class APIKeyAuth:
             return await self.app(scope, receive, send)
         wait, headers = self.limiter.admit(found)
         if wait is not None:
-            return await send_error(send, scope, 429, f"rate limit reached for key {found.name!r}; retry in {wait:.1f} s",
+            return await send_error(send, scope, 429,
+                                    f"rate limit reached for key {found.name!r}; retry in {wait:.1f} s",
                                     "rate_limit_exceeded", headers + retry_after(wait))
 
         async def send_with_headers(message):

@@ -183,8 +183,8 @@ class VersionResponse(_Out):
 _SSE = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"],
     "properties": {"data": {"type": "string", "description": "a JSON chunk (chat.completion.chunk or "
-                            "text_completion), an {\"error\": ...} object, or [DONE] at the end; on /v1/messages, one of "
-                            "Anthropic's events, each after its event: line"}}}}}
+                            "text_completion), an {\"error\": ...} object, or [DONE] at the end; on "
+                            "/v1/messages, one of Anthropic's events, each after its event: line"}}}}}
 # (path, method) -> (request model or None, 200 response model or "text", streamed?, error statuses)
 _GENERATION_ERRORS = (400, 401, 404, 413, 429, 500, 503)
 ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, type[BaseModel] | str, bool, tuple[int, ...]]] = {
