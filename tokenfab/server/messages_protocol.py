@@ -67,7 +67,7 @@ class CountTokensRequest(_Body):
                 return key, UNSUPPORTED[key]
         thinking = (self.thinking or {}).get("type", "disabled")
         if thinking != "disabled":
-            return "thinking", (f"thinking {thinking!r} is not supported (tokenfab has no extended thinking); "
+            return "thinking", (f"type {thinking!r} is not supported (tokenfab has no extended thinking); "
                                 'leave it out or send {"type": "disabled"}')
         return None
 
