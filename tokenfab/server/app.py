@@ -2,10 +2,10 @@
 
     app = build_app(LLMEngine(EngineConfig()), ServerConfig())   # then run it with uvicorn
 
-The generation routes live in completions.py and chat.py; the small ones are here. The routes reach the
-engine only through its EngineClient (engine/client.py); an LLMEngine given here is wrapped in an
-AsyncEngine, whose worker thread starts with the app (lifespan) and stops after uvicorn has drained
-the connections.
+The generation routes live in completions.py, chat.py and messages.py (Anthropic's Messages API); the
+small ones are here. The routes reach the engine only through its EngineClient (engine/client.py); an
+LLMEngine given here is wrapped in an AsyncEngine, whose worker thread starts with the app (lifespan)
+and stops after uvicorn has drained the connections.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tokenfab.engine.async_engine import AsyncEngine
 from tokenfab.engine.client import EngineClient, ModelInfo
 from tokenfab.batch.service import BatchService
 from tokenfab.batch.store import BatchStore
-from tokenfab.server import batch_routes, chat, completions
+from tokenfab.server import batch_routes, chat, completions, messages
 from tokenfab.server.batch_dispatch import call_route
 from tokenfab.server.config import ServerConfig
 from tokenfab.server.doctor_route import add_doctor_route
@@ -81,6 +81,7 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(messages.router)
     batch_routes.install(app)
     _add_small_routes(app, state)
     add_doctor_route(app, state)
@@ -99,7 +100,7 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     if config.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"])
     app.add_middleware(AccessLog, enabled=config.access_log)
     return app
 

@@ -2,23 +2,29 @@
 
 `max_completion_tokens` (or the older `max_tokens`) bounds the reply; unset, it may run to
 max_model_len. `logprobs: true` with `top_logprobs: k` gives OpenAI's chat logprobs format.
+`prepare` is the one place a chat request is checked and turned into a prompt and SamplingParams;
+/v1/messages (server/messages.py) maps its body onto a chat request and runs it through `prepare` too.
 """
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenfab.llm import chat_token_ids
+from tokenfab.sampling import SamplingParams
 from tokenfab.server.errors import APIError
 from tokenfab.server.limits import check_request, logit_bias_ids
 from tokenfab.server.logprobs import chat_logprobs
 from tokenfab.server.protocol import ChatCompletionRequest
 from tokenfab.server.state import ClientGone, ServerState, usage
 from tokenfab.server.streaming import ChoiceDelta, framed, sse, sse_response
-from tokenfab.server.tools import InvalidToolCalls, assistant_message, chat_constraints, stream_delta, template_input
+from tokenfab.server.tools import (InvalidToolCalls, ToolPlan, assistant_message, chat_constraints, stream_delta,
+                                    template_input)
+from tokenfab.structured_output import StructuredOutputParams
 
 router = APIRouter()
 
@@ -42,11 +48,27 @@ def conversation_ids(st: ServerState, messages, add_generation_prompt: bool = Tr
     return ids
 
 
-@router.post("/v1/chat/completions")
-async def create_chat_completion(request: Request) -> Response:
-    arrival = time.monotonic()
-    st: ServerState = request.app.state.tokenfab
-    req: ChatCompletionRequest = await st.parse(request, ChatCompletionRequest)
+@dataclass(slots=True)
+class PreparedChat:
+    """A chat request checked and ready for the engine: what `prepare` gives the routes that run it."""
+    ids: list[int]                  # the prompt, through the chat template
+    params: SamplingParams
+    tools: ToolPlan | None
+    service_class: str
+    top_n: int | None               # top_logprobs when logprobs were asked for, else None
+
+
+async def chat_prompt(st: ServerState, req: ChatCompletionRequest) -> tuple[ToolPlan | None,
+                                                                            StructuredOutputParams | None, list[int]]:
+    """(the tool plan, the structured-output spec, the prompt's token ids) of a chat request; the
+    prompt alone is what /v1/messages/count_tokens counts."""
+    tools, structure = await chat_constraints(st, req)
+    return tools, structure, conversation_ids(st, req.messages, req.add_generation_prompt, tools)
+
+
+async def prepare(st: ServerState, req: ChatCompletionRequest) -> PreparedChat:
+    """Every check of a chat request, then its prompt and SamplingParams; nothing is queued yet.
+    /v1/chat/completions and /v1/messages (server/messages.py) both run requests prepared here."""
     st.check_model(req.model)
     st.check_supported(req)
     service_class = st.request_class(req)
@@ -54,8 +76,7 @@ async def create_chat_completion(request: Request) -> Response:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     vocab = st.vocab_size
     check_request(req, st.config, 1, vocab)
-    tools, structure = await chat_constraints(st, req)
-    ids = conversation_ids(st, req.messages, req.add_generation_prompt, tools)
+    tools, structure, ids = await chat_prompt(st, req)
     max_tokens, max_param = req.requested_max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"{max_param} must be at least 1, got {max_tokens}", param=max_param, code="invalid_value")
@@ -65,10 +86,20 @@ async def create_chat_completion(request: Request) -> Response:
                                  "logit_bias": logit_bias_ids(req.logit_bias, vocab),
                                  "structured_output": structure},
                                 renames={"max_tokens": max_param, "logprobs": "top_logprobs"})
+    return PreparedChat(ids, params, tools, service_class, top_n)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    arrival = time.monotonic()
+    st: ServerState = request.app.state.tokenfab
+    req: ChatCompletionRequest = await st.parse(request, ChatCompletionRequest)
+    p = await prepare(st, req)
+    ids, params, tools, top_n = p.ids, p.params, p.tools, p.top_n
 
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     access = request.state.access = {"id": rid, "prompt_tokens": len(ids), "output_tokens": 0}
-    (stream,) = await st.start(rid, [ids], params, req.priority, arrival, service_class)
+    (stream,) = await st.start(rid, [ids], params, req.priority, arrival, p.service_class)
     if req.stream:
         return sse_response(framed(_stream(st, req, rid, stream, top_n, params.n, access, arrival, tools),
                                    [stream], access), rid)

@@ -1,8 +1,10 @@
-"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` with the right status,
+and on the Anthropic Messages API's paths (/v1/messages...) in Anthropic's:
+``{"type": "error", "error": {"type", "message"}}``.
 
 Route code raises `APIError`; the handlers installed here turn it, FastAPI's validation errors,
-unknown routes (404/405) and unexpected exceptions (500, logged, no traceback sent) into that body.
-The ASGI middlewares (auth, body size) build the same body with `error_body`.
+unknown routes (404/405) and unexpected exceptions (500, logged, no traceback sent) into the body the
+request's path calls for. The ASGI middlewares (auth, body size) build the same bodies with `error_bytes`.
 """
 from __future__ import annotations
 
@@ -27,6 +29,22 @@ DEFAULT_CODES = {400: "invalid_value", 401: "invalid_api_key", 403: "forbidden",
                  405: "method_not_allowed", 413: "request_too_large", 429: "rate_limited", 500: "internal_error",
                  503: "service_unavailable"}
 
+# Anthropic's error types by status; any other 5xx is "api_error".
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                   429: "rate_limit_error", 529: "overloaded_error"}
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether `path` belongs to the Anthropic Messages API (its errors take Anthropic's shape)."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
@@ -42,8 +60,10 @@ class APIError(Exception):
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as the response to a request for `path` (Anthropic's shape on its paths)."""
+        body = anthropic_error_body(self.status, self.message) if anthropic_path(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 MAX_JSON_DEPTH = 128      # nesting a body may have: far below Python's recursion limit, which every
@@ -111,7 +131,10 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_bytes(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
+def error_bytes(status: int, message: str, param: str | None = None, code: str | None = None,
+                path: str = "") -> bytes:
+    if anthropic_path(path):
+        return json.dumps(anthropic_error_body(status, message)).encode()
     return json.dumps(error_body(message, ERROR_TYPES.get(status, "invalid_request_error"), param,
                                  code or DEFAULT_CODES.get(status, "error"))).encode()
 
@@ -148,36 +171,38 @@ def from_validation_errors(errors: list[dict]) -> APIError:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation_errors(list(exc.errors())).response()
+    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_errors(list(exc.errors())).response(request.url.path)
 
     @app.exception_handler(ValidationError)
-    async def _validation(_: Request, exc: ValidationError) -> JSONResponse:
-        return from_validation_errors(exc.errors()).response()
+    async def _validation(request: Request, exc: ValidationError) -> JSONResponse:
+        return from_validation_errors(exc.errors()).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
             err = APIError(404, f"no route {request.method} {request.url.path}; see /v1/models, "
-                                "/v1/completions, /v1/chat/completions", code="route_not_found")
+                                "/v1/completions, /v1/chat/completions, /v1/messages", code="route_not_found")
         elif exc.status_code == 405:
             err = APIError(405, f"{request.method} is not allowed on {request.url.path}",
                            code="method_not_allowed", headers=dict(exc.headers or {}))
         else:
             err = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}) or None)
-        return err.response()
+        return err.response(request.url.path)
 
     @app.exception_handler(RecursionError)
     async def _recursion(request: Request, exc: RecursionError) -> JSONResponse:
         # parse_json_object bounds the nesting; this catches what a deep value reaches past it
         log.warning("%s %s: %s", request.method, request.url.path, exc)
-        return APIError(400, "a value in the request nests too deeply to process", code="invalid_value").response()
+        return APIError(400, "a value in the request nests too deeply to process",
+                        code="invalid_value").response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return APIError(500, f"internal error ({type(exc).__name__}); the server log has details").response()
+        return APIError(500, f"internal error ({type(exc).__name__}); the server log has details"
+                        ).response(request.url.path)

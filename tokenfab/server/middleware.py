@@ -21,9 +21,10 @@ PUBLIC_PATHS = ("/health", "/metrics", "/version", "/")
 PUBLIC_PREFIXES = ("/ui/",)
 
 
-async def send_error(send, status: int, message: str, code: str | None = None,
+async def send_error(send, scope, status: int, message: str, code: str | None = None,
                      headers: list[tuple[bytes, bytes]] = ()) -> None:
-    body = error_bytes(status, message, code=code)
+    """The error in the shape the request's path calls for (OpenAI's, or Anthropic's on /v1/messages)."""
+    body = error_bytes(status, message, code=code, path=scope.get("path", ""))
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})
@@ -77,11 +78,12 @@ class AccessLog:
 
 
 class APIKeyAuth:
-    """`Authorization: Bearer KEY` on every path but PUBLIC_PATHS (only /health with `all_routes`), compared in
-    constant time; then the key's rate limits (server/keys.py): a 429 with Retry-After and the
-    x-ratelimit-* headers, which every answer to a limited key carries. The key's policy goes into the
-    request's state (`api_key`) for the per-request checks (ServerState.parse); the tokens a request used
-    are charged to its key when it ends (its `access` accounting)."""
+    """`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY` (which wins when both are sent), on every
+    path but PUBLIC_PATHS (only /health with `all_routes`), compared in constant time; then the key's rate
+    limits (server/keys.py): a 429 with Retry-After and the x-ratelimit-* headers, which every answer to
+    a limited key carries. The key's policy goes into the request's state (`api_key`) for the per-request
+    checks (ServerState.parse); the tokens a request used are charged to its key when it ends (its
+    `access` accounting)."""
 
     def __init__(self, app, policies: list, limiter=None, all_routes: bool = False) -> None:
         self.app = app
@@ -94,25 +96,29 @@ class APIKeyAuth:
         if scope["type"] != "http" or not self.policies or scope["path"] in self.public or scope["method"] == "OPTIONS" \
                 or (self.public_prefixes and scope["path"].startswith(self.public_prefixes)):
             return await self.app(scope, receive, send)
-        header = dict(scope["headers"]).get(b"authorization", b"")
+        sent = dict(scope["headers"])
+        header = sent.get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
-        if not header:
-            return await send_error(send, 401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                                    "missing_api_key", [(b"www-authenticate", b"Bearer")])
+        if b"x-api-key" in sent:
+            scheme, token = b"bearer", sent[b"x-api-key"]
+        elif not header:
+            return await send_error(send, scope, 401, "missing API key: send the header 'Authorization: Bearer <key>' "
+                                    "or 'x-api-key: <key>'", "missing_api_key", [(b"www-authenticate", b"Bearer")])
         # Check every key without stopping early, so the timing does not say which one came close.
         found = None
         for key, policy in self.policies:
             if hmac.compare_digest(token.strip(), key) and found is None:
                 found = policy
         if scheme.lower() != b"bearer" or found is None:
-            return await send_error(send, 401, "invalid API key", "invalid_api_key",
+            return await send_error(send, scope, 401, "invalid API key", "invalid_api_key",
                                     [(b"www-authenticate", b"Bearer")])
         scope.setdefault("state", {})["api_key"] = found
         if self.limiter is None or (found.requests_per_minute is None and found.tokens_per_minute is None):
             return await self.app(scope, receive, send)
         wait, headers = self.limiter.admit(found)
         if wait is not None:
-            return await send_error(send, 429, f"rate limit reached for key {found.name!r}; retry in {wait:.1f} s",
+            return await send_error(send, scope, 429,
+                                    f"rate limit reached for key {found.name!r}; retry in {wait:.1f} s",
                                     "rate_limit_exceeded", headers + retry_after(wait))
 
         async def send_with_headers(message):
@@ -144,7 +150,7 @@ class BodySizeLimit:
         too_big = f"request body is larger than the limit of {limit} bytes (raise it with {flag})"
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            return await send_error(send, 413, too_big, "request_too_large")
+            return await send_error(send, scope, 413, too_big, "request_too_large")
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -153,7 +159,7 @@ class BodySizeLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                return await send_error(send, 413, too_big, "request_too_large")
+                return await send_error(send, scope, 413, too_big, "request_too_large")
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break

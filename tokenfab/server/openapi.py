@@ -16,6 +16,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
+from tokenfab.server.errors import anthropic_path
+from tokenfab.server.messages_protocol import CountTokensRequest, MessagesRequest
 from tokenfab.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 
@@ -134,6 +136,41 @@ class TokenizerInfoResponse(_Out):
     model_max_length: int
 
 
+class AnthropicErrorDetail(_Out):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(_Out):
+    """Errors on the Messages API's paths (server/errors.py anthropic_error_body)."""
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class ContentBlockOut(_Out):
+    type: Literal["text", "tool_use"]
+
+
+class MessageUsage(_Out):
+    input_tokens: int
+    output_tokens: int
+
+
+class MessageResponse(_Out):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[ContentBlockOut]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: MessageUsage
+
+
+class TokenCountResponse(_Out):
+    input_tokens: int
+
+
 class HealthResponse(_Out):
     status: str
 
@@ -146,12 +183,15 @@ class VersionResponse(_Out):
 _SSE = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"],
     "properties": {"data": {"type": "string", "description": "a JSON chunk (chat.completion.chunk or "
-                            "text_completion), an {\"error\": ...} object, or [DONE] at the end"}}}}}
+                            "text_completion), an {\"error\": ...} object, or [DONE] at the end; on "
+                            "/v1/messages, one of Anthropic's events, each after its event: line"}}}}}
 # (path, method) -> (request model or None, 200 response model or "text", streamed?, error statuses)
 _GENERATION_ERRORS = (400, 401, 404, 413, 429, 500, 503)
 ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, type[BaseModel] | str, bool, tuple[int, ...]]] = {
     ("/v1/completions", "post"): (CompletionRequest, CompletionResponse, True, _GENERATION_ERRORS),
     ("/v1/chat/completions", "post"): (ChatCompletionRequest, ChatCompletionResponse, True, _GENERATION_ERRORS),
+    ("/v1/messages", "post"): (MessagesRequest, MessageResponse, True, _GENERATION_ERRORS + (403,)),
+    ("/v1/messages/count_tokens", "post"): (CountTokensRequest, TokenCountResponse, False, (400, 401, 403, 404, 413)),
     ("/tokenize", "post"): (TokenizeRequest, TokenizeResponse, False, (400, 401, 404, 413)),
     ("/detokenize", "post"): (DetokenizeRequest, DetokenizeResponse, False, (400, 401, 404, 413)),
     ("/tokenizer_info", "get"): (None, TokenizerInfoResponse, False, (401,)),
@@ -167,7 +207,7 @@ _REF = "#/components/schemas/{model}"
 def build_openapi(app: FastAPI) -> dict[str, Any]:
     spec = get_openapi(title=app.title, version=app.version, routes=app.routes,
                        description="tokenfab's OpenAI-compatible API (completions, chat) and vLLM's extras.")
-    models = [ErrorResponse] + [m for req, resp, _, _ in ROUTES.values()
+    models = [ErrorResponse, AnthropicErrorResponse] + [m for req, resp, _, _ in ROUTES.values()
                                 for m in (req, resp) if isinstance(m, type)]
     _, defs = models_json_schema([(m, "validation") for m in dict.fromkeys(models)], ref_template=_REF)
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
@@ -195,7 +235,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
                 ok |= _SSE
             op["responses"] = {"200": {"description": "success" + (" (text/event-stream when stream is true)"
                                                                    if streamed else ""), "content": ok}}
-            _add_errors(op, errors)
+            _add_errors(op, errors, "AnthropicErrorResponse" if anthropic_path(path) else "ErrorResponse")
     # HEAD answers like GET, with the headers only: the GET's statuses, no bodies.
     for ops in spec.get("paths", {}).values():
         if "head" in ops and "get" in ops:
@@ -203,16 +243,17 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     return spec
 
 
-def _add_errors(op: dict[str, Any], statuses: tuple[int, ...]) -> None:
+def _add_errors(op: dict[str, Any], statuses: tuple[int, ...], model: str = "ErrorResponse") -> None:
     for status in statuses:
         op["responses"][str(status)] = {"description": _ERROR_TEXT[status], "content": {
-            "application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}}
+            "application/json": {"schema": {"$ref": _REF.format(model=model)}}}}
 
 
 # What the routes outside ROUTES may answer besides 200: bad input, no key, unknown id, too large, failed.
 _OTHER_ERRORS = (400, 401, 404, 413, 500, 503)
 _ERROR_TEXT = {400: "invalid request (the error names the field: param, and a machine-readable code)",
                401: "missing or wrong API key (servers started with --api-key)",
+               403: "the API key may not use this model (--api-keys-file)",
                404: "unknown model, file or batch", 413: "request body or file over its size limit",
                429: "too many requests waiting (Retry-After)", 500: "the request failed inside the engine",
                503: "the engine has stopped or the server is shutting down"}

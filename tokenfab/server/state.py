@@ -71,16 +71,18 @@ class ServerState:
             raise from_validation_errors(e.errors()) from None
         key = request.scope.get("state", {}).get("api_key")
         if key is not None:
-            self._check_key(key, parsed)
+            self.check_key(key, parsed)
         extra = sorted(set(parsed.model_extra or ()) - self._warned_fields)
         if extra:
             self._warned_fields.update(extra)
             log.warning("ignoring request field(s) this server does not use: %s", ", ".join(extra))
         return parsed
 
-    def _check_key(self, key, req) -> None:
+    def check_key(self, key, req) -> None:
         """The request against its API key's policy (server/keys.py): the models and service classes it may
-        use (403), its largest max_tokens (a larger one given is a 400; none given, the cap)."""
+        use (403), its largest max_tokens (a larger one given is a 400; none given, the cap). `parse` runs
+        it on every body; a route that maps its body onto another request (/v1/messages) runs it again
+        on that one."""
         model = getattr(req, "model", None)
         if key.models is not None and model is not None and model not in key.models:
             raise APIError(403, f"the API key {key.name!r} may not use the model {model!r}; it may use "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi.responses import StreamingResponse
@@ -32,18 +32,26 @@ def sse_response(body: AsyncIterator[str], request_id: str) -> StreamingResponse
                              headers={**SSE_HEADERS, "X-Request-Id": request_id})
 
 
-async def framed(chunks: AsyncIterator[str], streams: list[RequestStream], access: dict) -> AsyncIterator[str]:
-    """The common frame of a streamed response around an endpoint's own chunks: [DONE] at the end,
-    an engine failure as an error event, and however it ends, the requests aborted (a client that
-    left frees its KV blocks at once)."""
+def openai_error_event(message: str) -> str:
+    return sse(error_body(message, "internal_error", code="engine_error"))
+
+
+async def framed(chunks: AsyncIterator[str], streams: list[RequestStream], access: dict, *,
+                 error_event: Callable[[str], str] = openai_error_event,
+                 done: str | None = DONE) -> AsyncIterator[str]:
+    """The common frame of a streamed response around an endpoint's own chunks: `done` at the end
+    (OpenAI's [DONE]; None for APIs without one), an engine failure as `error_event(message)`, and
+    however it ends, the requests aborted (a client that left frees its KV blocks at once)."""
     try:
         async for c in chunks:
             yield c
-        yield DONE
+        if done is not None:
+            yield done
     except (RequestFailed, EngineDeadError) as e:
         access["outcome"] = "engine_error"
-        yield sse(error_body(str(e), "internal_error", code="engine_error"))
-        yield DONE
+        yield error_event(str(e))
+        if done is not None:
+            yield done
     finally:
         if any(not s.finished for s in streams) and "outcome" not in access:
             access["outcome"] = "client_disconnected"

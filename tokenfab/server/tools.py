@@ -1,4 +1,5 @@
-"""Tool calling on /v1/chat/completions: `tools`, `tool_choice`, `parallel_tool_calls`.
+"""Tool calling on /v1/chat/completions (and /v1/messages, mapped onto it): `tools`, `tool_choice`,
+`parallel_tool_calls`.
 
 - The tools reach the model through its chat template (`apply_chat_template(tools=...)`) when the
   template has a tool format (it mentions `tools`). Templates without one (SmolLM2's) get the tools
