@@ -286,3 +286,16 @@ def test_chat_template_kwargs_reach_the_template_and_unknown_ones_are_ignored(bu
     with pytest.raises(APIError) as e:
         conversation_ids(st, hi, template_kwargs={"tokenize": False})
     assert (e.value.status, e.value.param) == (400, "chat_template_kwargs.tokenize")
+
+
+def test_a_constrained_reply_is_all_answer_so_the_parser_is_off_for_it(bundled_tokenizer):
+    """A grammar constrains the output from its first token, so there is no reasoning to split off;
+    R1's parser would otherwise take a JSON answer for reasoning."""
+    from tokenfab.server.chat import reply_plan
+    from tokenfab.structured_output import StructuredOutputParams
+    st = SimpleNamespace(tokenizer=bundled_tokenizer, config=ServerConfig(reasoning_parser="deepseek_r1"))
+    ids = bundled_tokenizer.encode("hi")
+    assert reply_plan(st, None, StructuredOutputParams(json_object=True), ids).reasoning is None
+    free = reply_plan(st, None, None, ids)
+    assert free.reasoning is not None and free.inside
+    assert free.message('{"a": 1}', "stop")[0]["content"] is None      # why it must be off
