@@ -18,7 +18,7 @@ def parse(text: str) -> dict[str, float] | None:
     """{"prefix_cache_queries": …, "prefix_cache_hits": …} from Prometheus text, or None without both."""
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
-        short = fam.name.split(":", 1)[-1]
+        short = fam.name.split(":", 1)[-1].removesuffix("_total")   # "_total" stays on an untyped family
         if short not in NAMES:
             continue
         for s in fam.samples:
