@@ -51,8 +51,9 @@ class LiveProgress:
 def run_tables(run: dict, percentiles: list[float], slos: dict) -> list[Table]:
     """Summary, latency, per-bucket and error tables for one run (its JSON form)."""
     s = run["summary"]
-    title = (f"Serving benchmark · rate {fmt_rate(run['request_rate'])} req/s · burstiness {run['burstiness']:g}"
-             f" · max concurrency {run['max_concurrency'] or '∞'}")
+    unit = "sessions" if run.get("sessions") else "req"     # the agent workload's arrivals are sessions
+    title = (f"Serving benchmark · rate {fmt_rate(run['request_rate'])} {unit}/s · burstiness {run['burstiness']:g}"
+             f" · max concurrency {run['max_concurrency'] or '∞'}" + (" sessions" if run.get("sessions") else ""))
     summary = Table(title=title, show_header=False, title_justify="left")
     summary.add_column(style="bold")
     summary.add_column(justify="right")
