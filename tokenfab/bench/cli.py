@@ -74,9 +74,10 @@ def _serve_parser(subs) -> None:
     g.add_argument("--think-time", default="exp:1", help="seconds between a reply and the next turn: N (fixed) "
                                                          "or exp:MEAN (exponential)")
     g = p.add_argument_group("load")
-    g.add_argument("--request-rate", default="inf", help="requests/s (Poisson/gamma arrivals) or inf (all at once)")
+    g.add_argument("--request-rate", default="inf", help="requests/s (Poisson/gamma arrivals; sessions/s with "
+                                                         "--dataset agent) or inf (all at once)")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, <1 burstier")
-    g.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
+    g.add_argument("--max-concurrency", type=int, help="cap on requests in flight (sessions with --dataset agent)")
     g.add_argument("--sweep", help="comma-separated request rates, or 'auto' to find the saturation rate")
     g.add_argument("--warmup", type=int, default=1, help="uncounted requests sent first")
     g.add_argument("--seed", type=int, default=0)
@@ -209,14 +210,13 @@ def serve_config(args):
     import json
     import math
 
+    from tokenfab.bench.agent import AgentConfig
     from tokenfab.bench.aggregate import make_buckets, parse_slos
     from tokenfab.bench.arrivals import parse_rate
     from tokenfab.bench.client import normalize_base_url
     from tokenfab.bench.datasets import DatasetConfig
     from tokenfab.bench.lengths import parse_length
     from tokenfab.bench.serving import ServeConfig
-
-    from tokenfab.bench.agent import AgentConfig
 
     name, path = DatasetConfig.parse_name(args.dataset)
     if path is not None and not os.path.isfile(path):
