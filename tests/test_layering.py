@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tokenfab"
 
 # Bottom first. Leaves import no other part.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("leaves", ["version", "registry", "cli_errors", "outputs", "structured_output", "costmodel", "serve_spec", "files"]),
+    ("leaves", ["version", "registry", "cli_errors", "outputs", "structured_output", "costmodel", "serve_spec", "files",
+                "chat_format"]),
     ("request parameters", ["sampling"]),
     ("configuration", ["config", "engine_args"]),
     ("kernels", ["kernels"]),

@@ -17,6 +17,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from tokenfab.chat_format import CALL_END, CALL_START, format_call
+
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
@@ -37,11 +39,11 @@ _ARGS = re.compile(r'"arguments"\s*:\s*')
 
 
 class HermesToolParser:
-    start, end = "<tool_call>", "</tool_call>"
+    start, end = CALL_START, CALL_END
 
     def format_call(self, name: str, arguments) -> str:
         """One call as the model should write it (prompts and earlier assistant turns)."""
-        return f'{self.start}\n{json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)}\n{self.end}'
+        return format_call(name, arguments)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content outside the calls, or None when there is none; the calls). A call that is not valid

@@ -19,6 +19,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from tokenfab.chat_format import tool_response, with_tools_prompt
 from tokenfab.engine.structured import JSON_DEFAULTS
 from tokenfab.server.errors import APIError
 from tokenfab.server.tool_parsers import HermesToolParser, merge_deltas, parser_for
@@ -26,17 +27,6 @@ from tokenfab.structured_output import StructuredOutputParams
 
 _NAME_OK = re.compile(r"^[A-Za-z0-9_-]{1,64}$")    # OpenAI's rule for function names
 
-SYSTEM_PROMPT = """# Tools
-
-You can call functions to help answer the user. Their signatures, as JSON, are inside <tools></tools>:
-<tools>
-{tools}
-</tools>
-
-To call a function, write a JSON object with its name and arguments inside <tool_call></tool_call> tags:
-<tool_call>
-{{"name": "<function name>", "arguments": {{<arguments as a JSON object>}}}}
-</tool_call>"""
 
 
 @dataclass
@@ -148,14 +138,7 @@ def template_input(tokenizer, messages: list[dict], plan: ToolPlan | None,
     if template_supports_tools(tokenizer):
         msgs = [_native_message(m) for m in messages]
         return msgs, ({"tools": tools} if tools else {})
-    msgs = [_text_message(m, parser) for m in messages]
-    if tools:
-        text = SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
-        if msgs and msgs[0]["role"] == "system":
-            msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{text}"}
-        else:
-            msgs.insert(0, {"role": "system", "content": text})
-    return msgs, {}
+    return with_tools_prompt([_text_message(m, parser) for m in messages], tools), {}
 
 
 def _call_fields(call: dict, i: int) -> tuple[str, object]:
@@ -189,7 +172,7 @@ def _text_message(m: dict, parser: HermesToolParser) -> dict:
         text = "\n".join(parser.format_call(*_call_fields(c, i)) for i, c in enumerate(calls))
         m["content"] = f"{m['content']}\n{text}" if m.get("content") else text
     if m["role"] == "tool":
-        m["content"] = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+        m["content"] = tool_response(m.get("content"))
     return m
 
 
