@@ -5,6 +5,7 @@ The offline `LLM`, the CLI and the server's AsyncEngine all drive this class.
 from __future__ import annotations
 
 import functools
+from dataclasses import fields
 import logging
 import time
 
@@ -16,6 +17,7 @@ from tokenfab.engine.detokenizer import IncrementalDetokenizer
 from tokenfab.engine import prompt_logprobs
 from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.kv_connector import KVConnector, KVConnectorBinding
+from tokenfab.engine.kv_disk import DiskKVConnector, DiskTierStats
 from tokenfab.engine.lanes import SERVICE_CLASSES
 from tokenfab.engine.sampler import Sampler, SampleRow
 from tokenfab.engine.scheduler import Scheduler
@@ -122,11 +124,19 @@ class LLMEngine:
                                                    set_threads=functools.partial(_set_threads, threads))
                                   if config.adaptive_threads and config.device == "cpu" and threads > 1
                                   and not self.small_batch_threads else None)
+        if config.kv_disk_dir is not None:
+            if kv_connector is not None:
+                raise ValueError("give kv_disk_dir or a kv_connector, not both")
+            kv_connector = DiskKVConnector(config.kv_disk_dir, config.kv_disk_bytes)
+        self.kv_disk = kv_connector if isinstance(kv_connector, DiskKVConnector) else None
         self.kv_connector = (KVConnectorBinding(kv_connector, self.scheduler, self.runner, config, self.model_path)
                              if kv_connector is not None else None)
 
     def close(self) -> None:
-        """Release what outlives the object by itself: tensor-parallel worker processes. Idempotent."""
+        """Release what outlives the object by itself: tensor-parallel worker processes, the KV connector's
+        threads (its queued saves finish first). Idempotent."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         self.executor.close()
 
     # -- requests --------------------------------------------------------------------------
@@ -289,6 +299,9 @@ class LLMEngine:
                             self.thread_controller.threads if self.thread_controller else torch.get_num_threads(),
                             num_used_blocks=bm.num_used_blocks(),
                             kv_touched_bytes=self.kv_pool_bytes * bm.num_touched // bm.num_blocks)
+        if self.kv_disk is not None:
+            for f in fields(DiskTierStats):
+                setattr(stats, "kv_disk_" + f.name, getattr(self.kv_disk.stats, f.name))
         if self.spec is not None:
             s = self.spec.stats
             stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens = s.num_drafts, s.num_draft_tokens
