@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -180,11 +181,12 @@ def test_the_tier_is_on_metrics():
     assert 'tokenfab:kv_disk_load_seconds_sum{model_name="m"} 0.25' in text
 
 
-# -- through the engine, on the bundled model ------------------------------------------------------
+# -- through the engine, on the bundled model (kept short: each engine and each generated token count) ---
 
 SYSTEM = ("You are a careful assistant for a library of technical manuals. Answer in one short sentence, "
-          "cite the manual's section when you can, and say so plainly when the manuals do not cover it. ") * 3
-GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+          "and say so plainly when the manuals do not cover it. ") * 2
+A, B = SYSTEM + "Where is the index?", SYSTEM + "How do I reset the device?"
+GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 KW = dict(quantization="none", kv_cache_dtype="float32", max_model_len=512, block_size=16)
 
 
@@ -192,58 +194,64 @@ def llm(files, **kw) -> LLM:
     return LLM(loaded=files, **{**KW, "num_kv_blocks": 64, **kw})
 
 
+def tokens(engine: LLM, prompt) -> list[int] | list[list[int]]:
+    outs = engine.generate(prompt, GREEDY, use_tqdm=False)
+    return outs[0].outputs[0].token_ids if isinstance(prompt, str) else [o.outputs[0].token_ids for o in outs]
+
+
 @pytest.fixture(scope="module")
-def cold(bundled_files):
-    """Outputs computed without any cache: the reference."""
+def cold(bundled_files) -> dict[str, list[int]]:
+    """A and B computed without any cache: the reference."""
     ref = llm(bundled_files, enable_prefix_caching=False)
-    return lambda prompt: ref.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    return {A: tokens(ref, A), B: tokens(ref, B)}
 
 
-def test_a_restart_serves_the_system_prompt_from_disk_with_the_cold_output(bundled_files, tmp_path, cold):
-    first = llm(bundled_files, kv_disk_dir=str(tmp_path))
-    first.generate(SYSTEM + "Where is the index?", GREEDY, use_tqdm=False)
+@pytest.fixture(scope="module")
+def saved(bundled_files, tmp_path_factory) -> Path:
+    """A directory where a closed engine saved the blocks of A."""
+    d = tmp_path_factory.mktemp("kv_disk")
+    first = llm(bundled_files, kv_disk_dir=str(d))
+    tokens(first, A)
     first.close()                                          # its queued writes finish
     assert first.engine.stats().kv_disk_bytes_written > 0
-    second = llm(bundled_files, kv_disk_dir=str(tmp_path))
-    prompt = SYSTEM + "How do I reset the device?"
-    out = second.generate(prompt, GREEDY, use_tqdm=False)[0]
-    shared = len(second.tokenizer.encode(SYSTEM)) // 16
+    return d
+
+
+def restarted(saved: Path, tmp_path: Path) -> Path:
+    shutil.copytree(saved, tmp_path / "d")
+    return tmp_path / "d"
+
+
+def test_a_restart_serves_the_shared_prefix_from_disk_with_the_cold_output(bundled_files, saved, tmp_path, cold):
+    second = llm(bundled_files, kv_disk_dir=str(restarted(saved, tmp_path)))
+    out = second.generate(B, GREEDY, use_tqdm=False)[0]    # a new question after the same system prompt
     stats = second.engine.stats()
+    shared = len(second.tokenizer.encode(SYSTEM)) // 16    # full blocks of the system prompt alone
     assert stats.kv_disk_hit_blocks >= shared - 1 and out.num_cached_tokens == stats.kv_disk_hit_tokens > 0
     assert stats.prefix_cache_hits == 0                    # nothing came from the new process's own pool
-    assert out.outputs[0].token_ids == cold(prompt)
+    assert out.outputs[0].token_ids == cold[B]
     assert second.engine.block_manager.num_used_blocks() == 0
     second.close()
 
 
-def test_a_restart_skips_damaged_and_foreign_files_and_still_answers_right(bundled_files, tmp_path, cold):
-    first = llm(bundled_files, kv_disk_dir=str(tmp_path))
-    prompt = SYSTEM + "How do I reset the device?"
-    first.generate(prompt, GREEDY, use_tqdm=False)
-    first.close()
-    files = sorted(tmp_path.iterdir(), key=lambda p: p.stat().st_mtime_ns)
-    assert len(files) >= 4
-    pool = [t[:, :, :1] for t in first.engine.kv_connector.pool]
-    for path, kind in zip(files[:3], ("flipped", "truncated", "foreign")):
+def test_a_restart_skips_damaged_and_foreign_files_and_still_answers_right(bundled_files, saved, tmp_path, cold):
+    d = restarted(saved, tmp_path)
+    files = sorted(d.iterdir())
+    assert len(files) >= 3
+    pool = [torch.zeros(30, 2, 1, 16, 3, 64)]             # the layout does not matter: another seed is foreign
+    for path, kind in zip(files, ("flipped", "truncated", "foreign")):
         damage(path, kind, pool)
-    second = llm(bundled_files, kv_disk_dir=str(tmp_path))
-    out = second.generate(prompt, GREEDY, use_tqdm=False)[0]
+    second = llm(bundled_files, kv_disk_dir=str(d))
+    assert tokens(second, A) == cold[A]
     assert second.engine.stats().kv_disk_skipped_files == 3
-    assert out.outputs[0].token_ids == cold(prompt)
     second.close()
 
 
-def test_blocks_evicted_from_a_full_pool_come_back_from_disk(bundled_files, tmp_path, cold):
-    small = llm(bundled_files, kv_disk_dir=str(tmp_path), num_kv_blocks=12)   # 192 tokens: one prompt at a time
-    prompt = SYSTEM + "Where is the index?"
-    first = small.generate(prompt, GREEDY, use_tqdm=False)[0]
-    for q in ("Name a colour.", "Count to three.", "What is a manual?"):   # other prompts take the pool's blocks
-        small.generate("Unrelated text about gardens and weather, long enough to fill blocks. " * 6 + q,
-                       GREEDY, use_tqdm=False)
-    small.engine.kv_disk.drain()
-    again = small.generate([prompt, SYSTEM + "Who wrote it?"], GREEDY, use_tqdm=False)
+def test_a_full_pool_takes_disk_blocks_as_room_allows(bundled_files, saved, tmp_path, cold):
+    small = llm(bundled_files, kv_disk_dir=str(restarted(saved, tmp_path)), num_kv_blocks=10)
+    other = "Unrelated text about gardens and the weather, long enough to fill a few blocks. " * 3
+    outs = tokens(small, [A, other, B])                    # 5 shared blocks + 2 + 4: more than the pool
     assert small.engine.stats().kv_disk_hit_blocks > 0
-    assert again[0].outputs[0].token_ids == first.outputs[0].token_ids == cold(prompt)
-    assert again[1].outputs[0].token_ids == cold(SYSTEM + "Who wrote it?")
+    assert outs[0] == cold[A] and outs[2] == cold[B]
     assert small.engine.block_manager.num_used_blocks() == 0
     small.close()
