@@ -180,7 +180,7 @@ class EngineConfig:
             raise ValueError(f"kv_disk_bytes must be a positive number of bytes, got {v!r}")
         if self.kv_disk_dir is None:
             return
-        d = Path(self.kv_disk_dir)
+        d = Path(self.kv_disk_dir).expanduser()
         if not d.parent.is_dir():
             raise ValueError(f"kv_disk_dir {self.kv_disk_dir!r}: its parent {str(d.parent)!r} does not exist "
                              f"(the directory itself is made when missing)")
@@ -188,6 +188,9 @@ class EngineConfig:
             raise ValueError(f"kv_disk_dir {self.kv_disk_dir!r} is a file, not a directory")
         if not self.enable_prefix_caching:
             raise ValueError("kv_disk_dir needs enable_prefix_caching: the disk tier's keys are the prefix cache's hashes")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"kv_disk_dir needs one KV pool in one process, not tensor_parallel_size "
+                             f"{self.tensor_parallel_size}")
 
 
 METHODS = ("ngram", "draft", "layerskip")

@@ -109,7 +109,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     g.add_argument("--kv-disk-dir", default=None, metavar="DIR",
                    help="the disk tier: save full prefix blocks in DIR (made if missing) and load them back on a "
                         "prefix hit, also after a restart (default: off; docs/architecture.md)")
-    g.add_argument("--kv-disk-bytes", type=parse_size, default=None,
+    g.add_argument("--kv-disk-bytes", type=parse_size, default=None, metavar="SIZE",
                    help="with --kv-disk-dir, the most bytes its block files take, least recently used deleted "
                         f"first, e.g. 20GiB (default: {d.kv_disk_bytes >> 30}GiB)")
     # No argparse choices: EngineConfig.validate owns the list and names it when a value is wrong.

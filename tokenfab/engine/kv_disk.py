@@ -59,7 +59,7 @@ class DiskKVConnector:
     KVConnectorBinding does)."""
 
     def __init__(self, directory: str | os.PathLike, max_bytes: int, max_pending_saves: int = 256):
-        self.dir = Path(directory)
+        self.dir = Path(directory).expanduser()
         if not self.dir.parent.is_dir():
             raise ValueError(f"kv_disk_dir {str(self.dir)!r}: its parent {str(self.dir.parent)!r} does not exist")
         if self.dir.exists() and not self.dir.is_dir():
