@@ -89,12 +89,20 @@ def hash_of(path: Path) -> int | None:
     return h - (1 << 64) if h >= 1 << 63 else h
 
 
+def encode_parts(layout: BlockLayout, block_hash: int, tensors: list[torch.Tensor]) -> list[bytes | memoryview]:
+    """A block file's bytes as the header and one buffer per tensor (the tensors' memory, not copied)."""
+    bufs = [memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") for t in tensors]
+    assert sum(b.nbytes for b in bufs) == layout.payload_bytes, (sum(b.nbytes for b in bufs), layout.payload_bytes)
+    crc = 0
+    for b in bufs:
+        crc = zlib.crc32(b, crc)
+    header = layout.header(block_hash, crc)
+    return [MAGIC + _LEN.pack(len(header)) + header, *bufs]
+
+
 def encode(layout: BlockLayout, block_hash: int, tensors: list[torch.Tensor]) -> bytes:
     """A block file's bytes."""
-    payload = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
-    assert len(payload) == layout.payload_bytes, (len(payload), layout.payload_bytes)
-    header = layout.header(block_hash, zlib.crc32(payload))
-    return MAGIC + _LEN.pack(len(header)) + header + payload
+    return b"".join(encode_parts(layout, block_hash, tensors))
 
 
 def _parse_header(head: bytes) -> tuple[dict, int]:

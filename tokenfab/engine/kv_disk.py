@@ -32,11 +32,21 @@ from pathlib import Path
 
 import torch
 
-from tokenfab.engine.kv_block_file import BlockFileError, BlockLayout, encode, file_name, hash_of, read_block, read_header
+from tokenfab.engine.kv_block_file import (BlockFileError, BlockLayout, encode_parts, file_name, hash_of, read_block,
+                                          read_header)
 
 log = logging.getLogger("tokenfab.kv_disk")
 
 STAGED_TTL_S = 60.0     # read blocks no prompt took (its request aborted) are dropped after this long
+
+
+def _lower_priority() -> None:
+    """Run the calling thread at a lower CPU priority (Linux: a thread's nice value is its own), so that on
+    a machine whose cores the steps keep busy, writing files waits for the steps rather than the reverse."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 @dataclass(slots=True)
@@ -78,7 +88,7 @@ class DiskKVConnector:
         self._reading: set[int] = set()
         self._saving: set[int] = set()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tokenfab-kv-disk-read")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tokenfab-kv-disk-write")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tokenfab-kv-disk-write", initializer=_lower_priority)
 
     # -- set-up ---------------------------------------------------------------------------------
     def bind(self, key_seed: int, block_size: int, pool: list[torch.Tensor]) -> None:
@@ -200,18 +210,19 @@ class DiskKVConnector:
 
     def _write(self, h: int, tensors: list[torch.Tensor]) -> None:
         try:
-            data = encode(self.layout, h, tensors)
+            parts = encode_parts(self.layout, h, tensors)
+            size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
             path = self.dir / file_name(h)
             with self._lock:
-                self._evict(len(data))   # the directory stays within budget with the new file in it
+                self._evict(size)        # the directory stays within budget with the new file in it
             tmp = path.with_name(path.name + ".tmp")
             with open(tmp, "wb") as f:
-                f.write(data)
+                f.writelines(parts)
             os.replace(tmp, path)
             with self._lock:
-                self._index[h] = len(data)
-                self.stats.bytes_used += len(data)
-                self.stats.bytes_written += len(data)
+                self._index[h] = size
+                self.stats.bytes_used += size
+                self.stats.bytes_written += size
         except OSError as e:
             log.warning("kv disk tier: could not write block %s: %s", file_name(h), e)
         finally:
