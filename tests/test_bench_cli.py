@@ -62,6 +62,24 @@ def test_serve_writes_a_result_with_every_request_and_plots(fake_url, tmp_path, 
     assert "Request throughput" in shown and "TTFT" in shown and "Goodput" in shown
 
 
+def test_agent_sessions_write_per_turn_ttfts_tables_and_a_ttft_by_turn_plot(fake_url, tmp_path, capsys):
+    out = tmp_path / "agent.json"
+    rc = main(["bench", "serve", "--base-url", fake_url, "--tokenizer", "none", "--dataset", "agent",
+               "--num-sessions", "2", "--turns", "3", "--system-len", "32", "--user-len", "8", "--output-len", "3",
+               "--think-time", "0.05", "--max-concurrency", "2", "--no-progress", "--out", str(out),
+               "--plot", str(tmp_path / "plots")])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["endpoint"] == "chat" and result["config"]["agent"]["num_sessions"] == 2
+    sessions = result["runs"][0]["sessions"]
+    assert sessions["completed"] == 2 and sessions["prefix_cache"] is None
+    assert [row["turn"] for row in sessions["by_turn"]] == [1, 2, 3]
+    assert all(row["p50_ttft_ms"] >= TTFT_MS for row in sessions["by_turn"])   # the script is a lower bound
+    assert "ttft_by_turn.png" in os.listdir(tmp_path / "plots")
+    shown = capsys.readouterr().out
+    assert "TTFT by turn" in shown and "prefix-cache hit rate" in shown and "not reported" in shown
+
+
 def test_sweep_writes_one_run_per_rate_and_a_sweep_plot(fake_url, tmp_path):
     rc, out = serve(fake_url, tmp_path, "--sweep", "40,80", "--plot", str(tmp_path / "plots"))
     assert rc == 0

@@ -139,7 +139,7 @@ def test_a_failing_sequence_ends_alone_with_an_error(tiny):
     def broken(new_ids):
         raise RuntimeError("detokenizer exploded")
 
-    eng.requests["bad"][0].detokenizer.step = broken
+    eng.outputs.requests["bad"][0].detokenizer.step = broken
     outs = {}
     while eng.has_unfinished_requests():
         for o in eng.step():

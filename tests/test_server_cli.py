@@ -140,3 +140,10 @@ def test_unknown_tool_call_parser_is_a_clear_error_before_the_model_loads():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "unknown tool-call parser 'nope'; known: hermes" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unknown_reasoning_parser_is_a_clear_error_listing_the_known_ones():
+    r = subprocess.run([sys.executable, "-m", "tokenfab.cli", "serve", "--port", "0", "--reasoning-parser", "nope"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "unknown reasoning parser 'nope'; known: deepseek_r1, qwen3" in r.stderr and "Traceback" not in r.stderr

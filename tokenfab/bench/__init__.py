@@ -16,6 +16,13 @@ llama.cpp's server) and reports the metrics exactly as vLLM's `bench serve` defi
   report.py     rich tables;  plots.py  PNG plots;  compare.py  runs side by side
   offline.py    `bench offline`: prefill and decode tok/s of the in-process engine
 
+`bench serve --dataset agent` runs sessions instead of independent requests:
+  agent.py          the workload: shared system prompt and tools, turns, think times, the next turn's messages
+  chat_tools.py     how tools, tool calls and tool results are rendered for counting a prompt's tokens
+  agent_run.py      sessions on the arrival schedule under a session cap, turns in order; their records
+  session_stats.py  TTFT by turn, session times, tokens re-sent against new
+  prefix_cache.py   the server's prefix-cache hit rate from /metrics, before and after a run
+
 `tokenfab bench soak` runs a mixed load for hours, in windows, and judges the drift:
   soak_mix.py   the request mix: chat/completions, streamed or not, short/long, hang-ups, structured output
   soak.py       the windows: dispatch, drain, an idle sample of the server, a summary per window

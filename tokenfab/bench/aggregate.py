@@ -70,7 +70,7 @@ def meets_slos(rec: RequestRecord, slos: dict[str, float]) -> bool:
     return all(values[m] <= limit for m, limit in slos.items())
 
 
-def _stats(name: str, values: list[float], percentiles: list[float]) -> dict[str, float | None]:
+def metric_stats(name: str, values: list[float], percentiles: list[float]) -> dict[str, float | None]:
     arr = np.asarray(values, dtype=float)
     out: dict[str, float | None] = {}
     have = arr.size > 0
@@ -92,7 +92,7 @@ def latency_stats(records: list[RequestRecord], percentiles: list[float]) -> dic
     }
     out: dict[str, float | None] = {}
     for m in METRICS:
-        out.update(_stats(m, series[m], percentiles))
+        out.update(metric_stats(m, series[m], percentiles))
     return out
 
 

@@ -48,12 +48,13 @@ def _serve_parser(subs) -> None:
     g = p.add_argument_group("target")
     g.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000 (with or without /v1)")
     g.add_argument("--model", help="model name to send; default: the first one /v1/models lists")
-    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    g.add_argument("--endpoint", choices=["completions", "chat"],
+                   help="(default: chat for --dataset agent, else completions)")
     g.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY if set)")
     g.add_argument("--tokenizer", help="tokenizer of the served model (a .gguf or HF folder) for exact token "
                                        "counts; default: the bundled model's; 'none' for approximate counts")
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset", default="random", help="random | shared-prefix | mixed | jsonl:PATH")
+    g.add_argument("--dataset", default="random", help="random | shared-prefix | mixed | agent | jsonl:PATH")
     g.add_argument("--num-prompts", type=int, default=200)
     g.add_argument("--input-len", default="256", help="prompt tokens: N (see --range-ratio), uniform:LO:HI, "
                                                       "normal:MEAN:STD or lognormal:MEDIAN:SIGMA")
@@ -63,10 +64,20 @@ def _serve_parser(subs) -> None:
     g.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens per system prompt (L)")
     g.add_argument("--long-fraction", type=float, default=0.05, help="mixed: share of very long prompts")
     g.add_argument("--long-input-len", default="4096", help="mixed: length of the long prompts")
+    g = p.add_argument_group("agent sessions (--dataset agent; docs/bench.md, \"The agent workload\")")
+    g.add_argument("--num-sessions", type=int, default=16, help="sessions in a run (they arrive at --request-rate)")
+    g.add_argument("--turns", default="4", help="turns per session: N or a distribution, e.g. uniform:2:8")
+    g.add_argument("--system-len", default="1024", help="tokens of the system prompt all sessions share")
+    g.add_argument("--user-len", default="64", help="tokens of each new user message")
+    g.add_argument("--tool-len", default="256", help="tokens of a turn's tool results, answering its tool calls")
+    g.add_argument("--num-tools", type=int, default=4, help="function tools sent with every turn")
+    g.add_argument("--think-time", default="exp:1", help="seconds between a reply and the next turn: N (fixed) "
+                                                         "or exp:MEAN (exponential)")
     g = p.add_argument_group("load")
-    g.add_argument("--request-rate", default="inf", help="requests/s (Poisson/gamma arrivals) or inf (all at once)")
+    g.add_argument("--request-rate", default="inf", help="requests/s (Poisson/gamma arrivals; sessions/s with "
+                                                         "--dataset agent) or inf (all at once)")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, <1 burstier")
-    g.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
+    g.add_argument("--max-concurrency", type=int, help="cap on requests in flight (sessions with --dataset agent)")
     g.add_argument("--sweep", help="comma-separated request rates, or 'auto' to find the saturation rate")
     g.add_argument("--warmup", type=int, default=1, help="uncounted requests sent first")
     g.add_argument("--seed", type=int, default=0)
@@ -199,6 +210,7 @@ def serve_config(args):
     import json
     import math
 
+    from tokenfab.bench.agent import AgentConfig
     from tokenfab.bench.aggregate import make_buckets, parse_slos
     from tokenfab.bench.arrivals import parse_rate
     from tokenfab.bench.client import normalize_base_url
@@ -209,7 +221,18 @@ def serve_config(args):
     name, path = DatasetConfig.parse_name(args.dataset)
     if path is not None and not os.path.isfile(path):
         raise ValueError(f"dataset file {path} does not exist")
-    dataset = DatasetConfig(name=name, path=path, endpoint=args.endpoint, input_len=args.input_len,
+    endpoint = args.endpoint or ("chat" if name == "agent" else "completions")
+    agent = None
+    if name == "agent":
+        if endpoint != "chat":
+            raise ValueError("--dataset agent sends conversations: use --endpoint chat (or leave --endpoint out)")
+        if args.sweep and args.sweep.strip() == "auto":
+            raise ValueError("--sweep auto is for requests; with --dataset agent give session rates, e.g. --sweep 0.5,1,2")
+        agent = AgentConfig(num_sessions=args.num_sessions, turns=args.turns, system_len=args.system_len,
+                            user_len=args.user_len, tool_len=args.tool_len, output_len=args.output_len,
+                            think_time=args.think_time, num_tools=args.num_tools, range_ratio=args.range_ratio)
+        agent.validate()
+    dataset = DatasetConfig(name=name, path=path, endpoint=endpoint, input_len=args.input_len,
                             output_len=args.output_len, range_ratio=args.range_ratio, num_prefixes=args.num_prefixes,
                             prefix_len=args.prefix_len, long_fraction=args.long_fraction,
                             long_input_len=args.long_input_len)
@@ -240,13 +263,13 @@ def serve_config(args):
     rate = parse_rate(args.request_rate)
     if args.burstiness <= 0 or math.isnan(args.burstiness):
         raise ValueError(f"--burstiness {args.burstiness} must be positive (1 = Poisson)")
-    return ServeConfig(base_url=normalize_base_url(args.base_url), model=args.model, endpoint=args.endpoint,
+    return ServeConfig(base_url=normalize_base_url(args.base_url), model=args.model, endpoint=endpoint,
                        dataset=dataset, num_prompts=args.num_prompts, request_rate=rate, burstiness=args.burstiness,
                        max_concurrency=args.max_concurrency, sweep=sweep, warmup=args.warmup,
                        slos=parse_slos(args.goodput), buckets=list(args.buckets),
                        percentiles=list(args.percentiles), seed=args.seed, tokenizer=args.tokenizer,
                        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), stream_usage=args.stream_usage, ignore_eos=args.ignore_eos,
-                       temperature=args.temperature, timeout_s=args.timeout, extra_body=extra)
+                       temperature=args.temperature, timeout_s=args.timeout, extra_body=extra, agent=agent)
 
 
 def serve_command(args) -> int:
@@ -254,6 +277,7 @@ def serve_command(args) -> int:
 
     from rich.console import Console
 
+    from tokenfab.bench.agent_run import run_agent
     from tokenfab.bench.client import Endpoint
     from tokenfab.bench.report import LiveProgress, print_result, run_tables
     from tokenfab.bench.schema import build_result, run_json, write_result
@@ -269,8 +293,10 @@ def serve_command(args) -> int:
     endpoint = Endpoint(base_url=cfg.base_url, model=cfg.model, kind=cfg.endpoint, api_key=cfg.api_key,
                         stream_usage=cfg.stream_usage, ignore_eos=cfg.ignore_eos, temperature=cfg.temperature,
                         extra_body=cfg.extra_body, timeout_s=cfg.timeout_s)
-    err.print(f"benchmarking {endpoint.url} (model {cfg.model}), dataset {cfg.dataset.name}, "
-              f"{cfg.num_prompts} prompts, tokenizer: {counter.source}")
+    what = f"{cfg.agent.num_sessions} sessions" if cfg.agent else f"{cfg.num_prompts} prompts"
+    err.print(f"benchmarking {endpoint.url} (model {cfg.model}), dataset {cfg.dataset.name}, {what}, "
+              f"tokenizer: {counter.source}")
+    runner = run_agent if cfg.agent else run_serve
 
     def show(run):  # each run's tables as soon as it ends, so a long sweep shows progress
         if cfg.sweep is not None:
@@ -280,10 +306,10 @@ def serve_command(args) -> int:
     from tokenfab.bench import spec_metrics
     spec_before = spec_metrics.scrape(cfg.base_url, cfg.api_key)
     if args.no_progress:
-        runs, sweep = run_serve(cfg, counter, endpoint, None, show)
+        runs, sweep = runner(cfg, counter, endpoint, None, show)
     else:
         with LiveProgress(err) as progress:
-            runs, sweep = run_serve(cfg, counter, endpoint, progress, show)
+            runs, sweep = runner(cfg, counter, endpoint, progress, show)
     result = build_result(cfg, counter, runs, sweep, include_requests=not args.no_requests)
     spec = spec_metrics.acceptance(spec_before, spec_metrics.scrape(cfg.base_url, cfg.api_key))
     if spec is not None:           # the server speculates: its acceptance over these runs (warm-up included)

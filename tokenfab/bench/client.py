@@ -58,6 +58,8 @@ class Endpoint:
                       "stream": True}
         if self.kind == "chat":
             body["messages"] = req.messages if req.messages is not None else [{"role": "user", "content": req.prompt}]
+            if req.tools:
+                body["tools"] = req.tools
         else:
             body["prompt"] = req.prompt if req.prompt is not None else "".join(m["content"] for m in req.messages)
         if self.stream_usage != "off":
@@ -89,6 +91,8 @@ class RawResult:
     error: str | None = None
     status: int | None = None             # the HTTP status, once the response headers came
     hung_up: bool = False                 # the client closed the stream on purpose (hang_up_after)
+    content: str = ""                     # chat: the reply's content, without reasoning (for a next turn)
+    tool_calls: list[dict] = field(default_factory=list)   # chat: the reply's tool calls, deltas merged
 
 
 async def stream_request(client: httpx.AsyncClient, ep: Endpoint, req: BenchRequest,
@@ -194,7 +198,10 @@ def _absorb(res: RawResult, obj: dict, t: float, kind: str) -> None:
         res.finish_reason = choice["finish_reason"]
     if kind == "chat":
         delta = choice.get("delta") or {}
-        text = (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
+        res.content += delta.get("content") or ""
+        # A tool call's name and arguments are generated tokens too: they count as content for timing.
+        calls = _merge_tool_calls(res.tool_calls, delta.get("tool_calls"))
+        text = (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "") + calls
     else:
         text = choice.get("text") or ""
     tokens, source = usage_delta, "usage"
@@ -204,6 +211,24 @@ def _absorb(res: RawResult, obj: dict, t: float, kind: str) -> None:
         res.events.append(ChunkEvent(t, text, tokens))
         if tokens is not None:
             res.count_source = source
+
+
+def _merge_tool_calls(calls: list[dict], deltas) -> str:
+    """Fold streamed `tool_calls` deltas (OpenAI's shape: by `index`, the arguments in pieces) into
+    `calls`; returns the name and argument text they carried."""
+    text = ""
+    for d in deltas if isinstance(deltas, list) else ():
+        if not isinstance(d, dict):
+            continue
+        i = d.get("index", len(calls))
+        while len(calls) <= i:
+            calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+        fn = d.get("function") or {}
+        calls[i]["id"] = d.get("id") or calls[i]["id"]
+        calls[i]["function"]["name"] += fn.get("name") or ""
+        calls[i]["function"]["arguments"] += fn.get("arguments") or ""
+        text += (fn.get("name") or "") + (fn.get("arguments") or "")
+    return text
 
 
 def _logprob_count(logprobs, kind: str) -> int | None:

@@ -22,7 +22,7 @@ import numpy as np
 from tokenfab.bench.lengths import parse_length
 from tokenfab.bench.tokens import TokenCounter
 
-DATASETS = ("random", "shared-prefix", "mixed", "jsonl")
+DATASETS = ("random", "shared-prefix", "mixed", "jsonl", "agent")   # agent: sessions, see agent.py
 
 
 @dataclass(slots=True)
@@ -31,7 +31,8 @@ class BenchRequest:
     messages: list[dict] | None   # chat endpoint
     prompt_len: int               # tokens the server will see (exact with a tokenizer)
     output_len: int               # max_tokens asked for
-    tag: str = ""                 # where it came from: "short"/"long", "prefix-3", "line-12"
+    tag: str = ""                 # where it came from: "short"/"long", "prefix-3", "line-12", "s3-t2"
+    tools: list[dict] | None = None   # chat: function tools sent with the request (the agent workload)
 
 
 @dataclass(slots=True)
@@ -52,7 +53,7 @@ class DatasetConfig:
         """``random`` … or ``jsonl:PATH`` → (name, path)."""
         name, _, path = spec.partition(":")
         if name not in DATASETS:
-            raise ValueError(f"unknown dataset {spec!r}: choose random, shared-prefix, mixed or jsonl:PATH")
+            raise ValueError(f"unknown dataset {spec!r}: choose random, shared-prefix, mixed, agent or jsonl:PATH")
         if name == "jsonl" and not path:
             raise ValueError("the jsonl dataset needs a file: --dataset jsonl:PATH")
         return name, path or None
@@ -61,6 +62,8 @@ class DatasetConfig:
 def build_dataset(cfg: DatasetConfig, counter: TokenCounter, num_prompts: int, seed: int) -> list[BenchRequest]:
     if num_prompts < 1:
         raise ValueError(f"num_prompts is {num_prompts}; ask for at least 1")
+    if cfg.name == "agent":
+        raise ValueError("the agent dataset is sessions, not independent requests: build it with agent.build_sessions")
     builder = {"random": _random, "shared-prefix": _shared_prefix, "mixed": _mixed, "jsonl": _jsonl}[cfg.name]
     return builder(cfg, counter, num_prompts, seed)
 

@@ -7,7 +7,9 @@ arrived, and one chunk every `chunk_interval_ms` after that, each carrying the n
 streams open with a role-only chunk at once, which carries no content and must not count as
 the first token. A prompt containing FAILMID errors inside the stream after its first chunk; any
 other prompt containing FAIL gets HTTP 500. Token counts go out as the request asks
-(`stream_options`), or as forced by `usage`: continuous | final | none | logprobs.
+(`stream_options`), or as forced by `usage`: continuous | final | none | logprobs. With `tool_calls`,
+a chat request that has `tools` and ends in a user message is answered by a call of its first tool,
+streamed as `tool_calls` deltas whose arguments carry the tokens (an agent's turn; see agent.py).
 
   python -m tokenfab.bench.fake_server --port 8123 --ttft-ms 50 --interval-ms 20 --tokens-per-chunk 1,1,3
   tokenfab bench serve --base-url http://127.0.0.1:8123 --tokenizer none
@@ -36,6 +38,7 @@ class FakeScript:
     tokens_per_chunk: tuple[int, ...] = (1,)
     usage: str = "auto"            # auto (follow stream_options) | continuous | final | none | logprobs
     model: str = "fake-model"
+    tool_calls: bool = False       # answer a user turn that comes with tools by calling the first tool
 
 
 @dataclass(slots=True)
@@ -44,6 +47,7 @@ class FakeStats:
     max_in_flight: int = 0
     served: int = 0
     arrivals: list[float] = field(default_factory=list)   # the loop's clock at each request's arrival
+    bodies: list[dict] = field(default_factory=list)      # each request's JSON body, in arrival order
 
 
 class FakeServer:
@@ -84,7 +88,8 @@ class FakeServer:
             return None
         if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
             self.stats.arrivals.append(arrived)
-            return await self.stream(json.loads(body or b"{}"), path.endswith("chat/completions"), arrived, w)
+            self.stats.bodies.append(json.loads(body or b"{}"))
+            return await self.stream(self.stats.bodies[-1], path.endswith("chat/completions"), arrived, w)
         return _send_json(w, 404, _error(f"no route {method} {path}", "not_found"))
 
     async def stream(self, req: dict, chat: bool, arrived: float, w: asyncio.StreamWriter) -> None:
@@ -98,6 +103,9 @@ class FakeServer:
         opts = req.get("stream_options") or {}
         usage = s.usage if s.usage != "auto" else (
             "continuous" if opts.get("continuous_usage_stats") else "final" if opts.get("include_usage") else "none")
+        msgs = req.get("messages") or [{}]
+        call = (s.tool_calls and chat and req.get("tools") and msgs[-1].get("role") == "user"
+                and {"id": f"call_{len(stats.arrivals)}", "name": req["tools"][0]["function"]["name"]})
         stats.in_flight += 1
         stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
         loop = asyncio.get_running_loop()
@@ -117,8 +125,9 @@ class FakeServer:
                 await asyncio.sleep(max(0.0, first + j * s.chunk_interval_ms / 1e3 - loop.time()))
                 u = {"prompt_tokens": n_prompt, "completion_tokens": done, "total_tokens": n_prompt + done} \
                     if usage == "continuous" else None
-                _event(w, _chunk(s.model, chat, " tok" * k, "length" if done >= n_out else None, u,
-                                 logprobs=k if usage == "logprobs" else None))
+                finish = None if done < n_out else "tool_calls" if call else "length"
+                _event(w, _chunk(s.model, chat, " tok" * k, finish, u, logprobs=k if usage == "logprobs" else None,
+                                 call=call, first=j == 0))
                 await w.drain()
                 if j == 0 and "FAILMID" in prompt:
                     _event(w, _error("scripted failure in the stream", "server_error"))
@@ -137,9 +146,15 @@ class FakeServer:
 
 
 def _chunk(model: str, chat: bool, text: str, finish: str | None, usage: dict | None, role: bool = False,
-           logprobs: int | None = None) -> dict:
+           logprobs: int | None = None, call: dict | None = None, first: bool = False) -> dict:
     if chat:
         delta = {"role": "assistant", "content": ""} if role else {"content": text}
+        if call and not role:      # the tokens go into the call's arguments: {"query": " tok tok …"}
+            piece = ('{"query": "' if first else "") + text + ('"}' if finish else "")
+            d = {"index": 0, "function": {"arguments": piece}}
+            if first:
+                d.update(id=call["id"], type="function", function={"name": call["name"], "arguments": piece})
+            delta = {"tool_calls": [d]}
         choice = {"index": 0, "delta": delta, "finish_reason": finish}
         if logprobs:
             choice["logprobs"] = {"content": [{"token": " tok", "logprob": 0.0}] * logprobs}

@@ -1,4 +1,5 @@
-"""PNG plots of bench results: latency CDFs, per-bucket P50/P99 bars, and sweep curves.
+"""PNG plots of bench results: latency CDFs, per-bucket P50/P99 bars, sweep curves, and the agent
+workload's TTFT by turn.
 
 Everything is drawn from the JSON form of a result, so plots can be made again later from a
 saved file (`bench compare --plot` overlays several). CDFs need the per-request records.
@@ -116,6 +117,32 @@ def sweep_curves(result: dict, path: str) -> str | None:
     return path
 
 
+def ttft_by_turn(runs: list[tuple[str, dict]], percentiles: list[float], path: str) -> str | None:
+    """The agent workload's TTFT against the turn index: P50 and the highest percentile, per run."""
+    runs = [(label, run) for label, run in runs if run.get("sessions") and run["sessions"]["by_turn"]]
+    if not runs:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    lo, hi = (50.0 if 50.0 in percentiles else min(percentiles)), max(percentiles)
+    for label, run in runs:
+        rows = run["sessions"]["by_turn"]
+        turns = [r["turn"] for r in rows]
+        for p, style in ((lo, "o-"), (hi, "s--")):
+            ax.plot(turns, [r[f"{pkey(p)}_ttft_ms"] if r[f"{pkey(p)}_ttft_ms"] is not None else math.nan for r in rows],
+                    style, label=f"{label} {pkey(p).upper()}")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title("TTFT by turn of a session")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_result(result: dict, out_dir: str) -> list[str]:
     """All plots of one result file into `out_dir`; returns the paths written."""
     os.makedirs(out_dir, exist_ok=True)
@@ -128,6 +155,8 @@ def plot_result(result: dict, out_dir: str) -> list[str]:
         written.append(bucket_bars(run, pcts, os.path.join(out_dir, name),
                                    f"rate {fmt_rate(run['request_rate'])} req/s"))
     written.append(sweep_curves(result, os.path.join(out_dir, "sweep.png")))
+    written.append(ttft_by_turn([(f"rate {fmt_rate(r['request_rate'])}", r) for r in runs], pcts,
+                                os.path.join(out_dir, "ttft_by_turn.png")))
     return [p for p in written if p]
 
 

@@ -51,8 +51,9 @@ class LiveProgress:
 def run_tables(run: dict, percentiles: list[float], slos: dict) -> list[Table]:
     """Summary, latency, per-bucket and error tables for one run (its JSON form)."""
     s = run["summary"]
-    title = (f"Serving benchmark · rate {fmt_rate(run['request_rate'])} req/s · burstiness {run['burstiness']:g}"
-             f" · max concurrency {run['max_concurrency'] or '∞'}")
+    unit = "sessions" if run.get("sessions") else "req"     # the agent workload's arrivals are sessions
+    title = (f"Serving benchmark · rate {fmt_rate(run['request_rate'])} {unit}/s · burstiness {run['burstiness']:g}"
+             f" · max concurrency {run['max_concurrency'] or '∞'}" + (" sessions" if run.get("sessions") else ""))
     summary = Table(title=title, show_header=False, title_justify="left")
     summary.add_column(style="bold")
     summary.add_column(justify="right")
@@ -130,11 +131,48 @@ def sweep_table(result: dict) -> Table:
     return t
 
 
+def session_tables(sessions: dict, percentiles: list[float]) -> list[Table]:
+    """The agent workload's figures: TTFT by turn index, session times, tokens re-sent and new."""
+    ps = [pkey(p) for p in percentiles]
+    t = Table(title="TTFT by turn (ms)", title_justify="left")
+    for col in ["Turn", "Requests", "Failed", "Mean prompt tok", "Mean new tok", "Mean"] + [p.upper() for p in ps]:
+        t.add_column(col, justify="right")
+    for row in sessions["by_turn"]:
+        t.add_row(str(row["turn"]), str(row["requests"]), str(row["requests"] - row["completed"]),
+                  num(row["mean_prompt_tokens"], 0), num(row["mean_new_tokens"], 0), num(row["mean_ttft_ms"]),
+                  *[num(row[f"{p}_ttft_ms"]) for p in ps])
+    s = Table(title="Sessions", show_header=False, title_justify="left")
+    s.add_column(style="bold")
+    s.add_column(justify="right")
+    cache = sessions["prefix_cache"]
+    share = sessions["resent_share"]
+    rows = [
+        ("Sessions completed / failed", f"{sessions['completed']} / {sessions['failed']}"),
+        ("Session time mean / " + " / ".join(p.upper() for p in ps) + " (s)",
+         " / ".join(num(v / 1e3 if v is not None else None) for v in
+                    [sessions["mean_session_ms"]] + [sessions[f"{p}_session_ms"] for p in ps])),
+        ("Prompt tokens sent (history re-sent included)", num(sessions["prompt_tokens"])),
+        ("  of which new (not sent before in the run)", num(sessions["new_tokens"])),
+        ("  re-sent share (an ideal prefix cache's hit rate)", "–" if share is None else f"{share:.1%}"),
+        ("Server prefix-cache hit rate (/metrics)",
+         "not reported" if cache is None or cache["hit_rate"] is None
+         else f"{cache['hit_rate']:.1%}  ({cache['hits']:,} of {cache['queries']:,} tokens)"),
+    ]
+    if sessions["server_prompt_tokens"] is not None:
+        rows.insert(3, ("  as the server counted them", num(sessions["server_prompt_tokens"])))
+    for name, value in rows:
+        s.add_row(name, value)
+    return [t, s]
+
+
 def print_result(console: Console, result: dict) -> None:
     cfg = result["config"]
     for run in result["runs"]:
         for table in run_tables(run, cfg["percentiles"], cfg["goodput"]):
             console.print(table)
+        if run.get("sessions"):
+            for table in session_tables(run["sessions"], cfg["percentiles"]):
+                console.print(table)
         console.print()
     if len(result["runs"]) > 1:
         console.print(sweep_table(result))

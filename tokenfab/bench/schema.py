@@ -16,7 +16,8 @@ from tokenfab.bench.serving import RunResult, ServeConfig
 from tokenfab.bench.tokens import TokenCounter
 
 SCHEMA = "tokenfab.bench.serve"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)   # 2 added config.agent and runs[].sessions, null for the other datasets
 OFFLINE_SCHEMA = "tokenfab.bench.offline"
 
 
@@ -43,6 +44,7 @@ def config_json(cfg: ServeConfig) -> dict:
         "percentiles": list(cfg.percentiles), "seed": cfg.seed, "stream_usage": cfg.stream_usage,
         "ignore_eos": cfg.ignore_eos, "temperature": cfg.temperature, "timeout_s": cfg.timeout_s,
         "extra_body": dict(cfg.extra_body),
+        "agent": dataclasses.asdict(cfg.agent) if cfg.agent is not None else None,
     }  # the API key is never written
 
 
@@ -56,6 +58,7 @@ def run_json(run: RunResult, include_requests: bool = True) -> dict:
         "buckets": [dict(b) for b in run.buckets],
         "errors": [dict(e) for e in run.errors],
         "requests": [dataclasses.asdict(r) for r in run.records] if include_requests else [],
+        "sessions": run.sessions,
     }
 
 
@@ -101,7 +104,7 @@ def load_result(path: str) -> dict:
     if kind not in (SCHEMA, OFFLINE_SCHEMA):
         raise ValueError(f"{path} is not a tokenfab bench result (schema {kind!r}, expected {SCHEMA!r} "
                          f"or {OFFLINE_SCHEMA!r})")
-    if result.get("schema_version") != SCHEMA_VERSION:
+    if result.get("schema_version") not in READABLE_VERSIONS:
         raise ValueError(f"{path} has schema_version {result.get('schema_version')}; this tokenfab reads "
-                         f"version {SCHEMA_VERSION}")
+                         f"versions {', '.join(map(str, READABLE_VERSIONS))}")
     return result

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tokenfab.bench.agent import AgentConfig
 from tokenfab.bench.aggregate import (Bucket, bucket_summaries, error_summary, make_buckets, summarize)
 from tokenfab.bench.arrivals import arrival_times
 from tokenfab.bench.client import Endpoint, RawResult, stream_request
@@ -52,6 +53,7 @@ class ServeConfig:
     temperature: float = 0.0
     timeout_s: float = 600.0
     extra_body: dict = field(default_factory=dict)
+    agent: AgentConfig | None = None            # the agent workload's settings, with --dataset agent
 
 
 @dataclass(slots=True)
@@ -65,6 +67,7 @@ class RunResult:
     buckets: list[dict]
     errors: list[dict]
     warmup_failed: int = 0
+    sessions: dict | None = None                # the agent workload's session figures (session_stats.py)
 
 
 def new_client(max_concurrency: int | None, timeout_s: float) -> httpx.AsyncClient:
@@ -142,9 +145,7 @@ def measure(ep: Endpoint, requests: list[BenchRequest], warm: list[BenchRequest]
     async def go():
         async with new_client(cfg.max_concurrency, cfg.timeout_s) as client:
             warm_raws = await warm_up(client, ep, warm, cfg.max_concurrency, clock)
-            if warm_raws and all(r.error for r in warm_raws):
-                raise ValueError(f"every warm-up request to {ep.url} failed, e.g. {warm_raws[0].error}"
-                                 + _hint(warm_raws[0].error, ep))
+            check_warm_up(warm_raws, ep)
             task = progress.start_run(rate, len(requests)) if progress else None
             done, t0 = await run_once(client, ep, requests, rate=rate, burstiness=cfg.burstiness,
                                       max_concurrency=cfg.max_concurrency, seed=seed, clock=clock,
@@ -159,6 +160,13 @@ def measure(ep: Endpoint, requests: list[BenchRequest], warm: list[BenchRequest]
                      summary=summarize(records, duration, cfg.percentiles, cfg.slos),
                      buckets=bucket_summaries(records, buckets, cfg.percentiles, cfg.slos),
                      errors=error_summary(records), warmup_failed=warm_failed)
+
+
+def check_warm_up(warm_raws: list[RawResult], ep: Endpoint) -> None:
+    """A warm-up that failed entirely stops the benchmark with its error."""
+    if warm_raws and all(r.error for r in warm_raws):
+        raise ValueError(f"every warm-up request to {ep.url} failed, e.g. {warm_raws[0].error}"
+                         + _hint(warm_raws[0].error, ep))
 
 
 def _hint(error: str | None, ep: Endpoint) -> str:
@@ -178,24 +186,33 @@ def run_serve(cfg: ServeConfig, counter: TokenCounter, endpoint: Endpoint, progr
 
     def one(rate: float, k: int) -> RunResult:
         reqs = build_dataset(cfg.dataset, counter, cfg.num_prompts + cfg.warmup, cfg.seed + k)
-        result = measure(endpoint, reqs[cfg.warmup:], reqs[:cfg.warmup], cfg, rate, cfg.seed + k, counter,
-                         buckets, progress, clock=clock, run=run)
+        return measure(endpoint, reqs[cfg.warmup:], reqs[:cfg.warmup], cfg, rate, cfg.seed + k, counter,
+                       buckets, progress, clock=clock, run=run)
+
+    return sweep_runs(cfg, one, on_run)
+
+
+def sweep_runs(cfg: ServeConfig, one: Callable[[float, int], RunResult],
+               on_run: Callable[[RunResult], None] | None = None) -> tuple[list[RunResult], dict]:
+    """The runs of a sweep, each made by `one(rate, run number)`: one run, a list of rates, or `auto`."""
+    def run_one(rate: float, k: int) -> RunResult:
+        result = one(rate, k)
         if on_run:
             on_run(result)
         return result
 
     if cfg.sweep is None:
-        return [one(cfg.request_rate, 0)], {"mode": "single", "rates": [cfg.request_rate],
-                                             "saturation_request_rate": None}
+        return [run_one(cfg.request_rate, 0)], {"mode": "single", "rates": [cfg.request_rate],
+                                                 "saturation_request_rate": None}
     if cfg.sweep == "auto":
-        peak_run = one(math.inf, 0)
+        peak_run = run_one(math.inf, 0)
         peak = peak_run.summary["request_throughput"] or 0.0
         if peak <= 0:
             raise ValueError("the unthrottled run completed no request, so there is no rate to sweep around; "
                              "see its errors above")
         rates = [round(f * peak, 4) for f in AUTO_SWEEP_FRACTIONS]
-        runs = [peak_run] + [one(r, k + 1) for k, r in enumerate(rates)]
+        runs = [peak_run] + [run_one(r, k + 1) for k, r in enumerate(rates)]
         best = max(r.summary["request_throughput"] or 0.0 for r in runs)
         return runs, {"mode": "auto", "rates": [math.inf] + rates, "saturation_request_rate": best}
-    runs = [one(r, k) for k, r in enumerate(cfg.sweep)]
+    runs = [run_one(r, k) for k, r in enumerate(cfg.sweep)]
     return runs, {"mode": "list", "rates": list(cfg.sweep), "saturation_request_rate": None}

@@ -16,6 +16,8 @@ import random
 import re
 from collections.abc import Callable, Sequence
 
+from tokenfab.bench.chat_tools import as_plain_messages, native_message
+
 log = logging.getLogger(__name__)
 
 # Common English words, for synthetic text when no tokenizer is available.
@@ -60,16 +62,33 @@ class TokenCounter:
             return self.count_text(prompts)
         return [len(ids) for ids in self.tokenizer(list(prompts))["input_ids"]]
 
-    def count_chats(self, conversations: Sequence[list[dict]]) -> list[int]:
+    def count_chats(self, conversations: Sequence[list[dict]], tools: list[dict] | None = None) -> list[int]:
         """Tokens of chat prompts after the chat template, with the assistant turn opened."""
+        return [len(ids) for ids in self.chat_ids(conversations, tools)]
+
+    def chat_ids(self, conversations: Sequence[list[dict]], tools: list[dict] | None = None) -> list[list]:
+        """Each chat prompt as the server's tokens (without a template: pseudo-tokens, a few of role markup
+        per message, then the content's words), so two prompts' common prefix can be measured. `tools`
+        go through the template where it has a tool format, else into the system message (chat_tools.py)."""
         if not conversations:
             return []
+        native = self.tokenizer is not None and "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
+        if not native:
+            conversations = [as_plain_messages(c, tools) for c in conversations]
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            # No template to apply: count the contents plus a few tokens of role markup per message.
-            return [sum(self.count_text([m.get("content") or ""])[0] + 4 for m in c) + 2 for c in conversations]
-        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+            # No template to apply: the contents plus a few tokens of role markup per message.
+            return [[p for m in c for p in ("<|", m["role"], "|>", "\n", *self._pieces(m["content"]))]
+                    + ["<|", "assistant"] for c in conversations]
+        kw = {"tools": tools} if native and tools else {}
+        texts = [self.tokenizer.apply_chat_template([native_message(m) for m in c] if native else c,
+                                                    add_generation_prompt=True, tokenize=False, **kw)
                  for c in conversations]
-        return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    def _pieces(self, text: str) -> list:
+        if self.tokenizer is None:
+            return _APPROX_PIECE.findall(text)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # ---- synthesis -------------------------------------------------------------------------
     def words(self) -> list[str]:

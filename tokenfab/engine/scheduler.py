@@ -71,6 +71,16 @@ class _StepPlan:
 
 
 class Scheduler:
+    @classmethod
+    def from_config(cls, block_manager: BlockManager, config, step_cost, eos_token_ids, max_model_len: int) -> "Scheduler":
+        """The engine's scheduler for an EngineConfig, with its step-time budget over `step_cost` when enabled."""
+        budget = (StepBudget(step_cost, config.step_time_budget_ms / 1e3 if config.step_time_budget_ms else None,
+                             config.step_time_slack, config.step_budget_min_tokens)
+                  if config.enable_step_time_budget else None)
+        return cls(block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+                   config.scheduling_policy, config.batch_prefill_share, config.long_prompt_threshold,
+                   config.max_long_prefill_tokens, budget, eos_token_ids, max_model_len)
+
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs", batch_prefill_share: float = 1.0,
                  long_prompt_threshold: int | None = None, max_long_prefill_tokens: int | None = None,

@@ -40,12 +40,15 @@ Counts above the cores go to the pool only (the engine gives torch at most `max_
 """
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 from collections import deque
 from collections.abc import Callable
 
 import torch
+
+from tokenfab import kernels
 
 PROBE_BACKOFF = 4        # failed probes space the next ones out to at most this many probe_every
 
@@ -208,3 +211,19 @@ class ThreadController:
         self._recent.clear()
         self._slow_run = 0
         self._since_change = 0
+
+
+def _set_threads(cores: int, n: int) -> None:
+    """The thread controller's count: torch's up to `cores`, the C kernels' pool all of it (above `cores`,
+    oversubscribed on purpose: see the module docstring)."""
+    torch.set_num_threads(min(n, cores))
+    kernels.pool_threads(n if n > cores else 0)
+
+
+def engine_controller(adaptive: bool, device: str, threads: int) -> ThreadController | None:
+    """The engine's controller over `threads` (torch's count at start): torch's up to it, the C kernels' own
+    pool (tf_cols, kernels/csrc/pool.c) up to twice that; None when off, not on the CPU or on one thread."""
+    if not adaptive or device != "cpu" or threads <= 1:
+        return None
+    return ThreadController(threads, cores_free=free_cores, max_over=threads if kernels.enabled() else 0,
+                            set_threads=functools.partial(_set_threads, threads))

@@ -172,7 +172,8 @@ def _add_small_routes(app: FastAPI, st: ServerState) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt", code="invalid_value")
         if req.messages is not None:
-            ids = chat.conversation_ids(st, req.messages, req.add_generation_prompt)
+            ids = chat.conversation_ids(st, req.messages, req.add_generation_prompt,
+                                           template_kwargs=req.chat_template_kwargs)
         else:
             ids = list(st.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
         return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids}

@@ -4,11 +4,14 @@
 max_model_len. `logprobs: true` with `top_logprobs: k` gives OpenAI's chat logprobs format.
 `prepare` is the one place a chat request is checked and turned into a prompt and SamplingParams;
 /v1/messages (server/messages.py) maps its body onto a chat request and runs it through `prepare` too.
+`chat_template_kwargs` (vLLM's field) reach the template as variables, e.g. Qwen3's `enable_thinking`.
+With `--reasoning-parser`, the reply's reasoning goes to `reasoning_content` (server/reply.py).
 """
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
@@ -20,21 +23,44 @@ from tokenfab.server.errors import APIError
 from tokenfab.server.limits import check_request, logit_bias_ids
 from tokenfab.server.logprobs import chat_logprobs
 from tokenfab.server.protocol import ChatCompletionRequest
+from tokenfab.server.reasoning import parser_for as reasoning_parser_for
+from tokenfab.server.reply import Reply
 from tokenfab.server.state import ClientGone, ServerState, usage
 from tokenfab.server.streaming import ChoiceDelta, framed, sse, sse_response
-from tokenfab.server.tools import (InvalidToolCalls, ToolPlan, assistant_message, chat_constraints, stream_delta,
-                                    template_input)
+from tokenfab.server.tools import InvalidToolCalls, ToolPlan, chat_constraints, template_input
 from tokenfab.structured_output import StructuredOutputParams
 
 router = APIRouter()
 
 
-def conversation_ids(st: ServerState, messages, add_generation_prompt: bool = True, tools=None) -> list[int]:
-    """`tools`: the request's ToolPlan (server/tools.py), rendered into the prompt."""
+# apply_chat_template's own parameters: as chat_template_kwargs they would change how it runs, not what
+# the template sees.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_template_kwargs(kwargs: dict | None) -> dict:
+    """`chat_template_kwargs`: extra variables for the chat template. A variable the template does not
+    use is ignored by Jinja; a name of apply_chat_template's own parameters is a 400."""
+    for key in kwargs or {}:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise APIError(400, f"chat_template_kwargs.{key} is a parameter of the template rendering, not a "
+                                "template variable; give variables such as enable_thinking",
+                           param=f"chat_template_kwargs.{key}", code="invalid_value")
+    return dict(kwargs or {})
+
+
+def conversation_ids(st: ServerState, messages, add_generation_prompt: bool = True, tools=None,
+                     template_kwargs: dict | None = None) -> list[int]:
+    """`tools`: the request's ToolPlan (server/tools.py), rendered into the prompt; `template_kwargs`:
+    the request's chat_template_kwargs."""
+    extra = check_template_kwargs(template_kwargs)
     try:
         msgs, template_kw = template_input(st.tokenizer, [m.as_template_input() for m in messages], tools,
                                            st.config.tool_call_parser)
-        ids = chat_token_ids(st.tokenizer, msgs, add_generation_prompt, **template_kw)
+        ids = chat_token_ids(st.tokenizer, msgs, add_generation_prompt, **extra, **template_kw)
     except InvalidToolCalls as e:
         raise APIError(400, str(e), param=e.param, code="invalid_tool_calls") from None
     except ValueError as e:
@@ -53,7 +79,7 @@ class PreparedChat:
     """A chat request checked and ready for the engine: what `prepare` gives the routes that run it."""
     ids: list[int]                  # the prompt, through the chat template
     params: SamplingParams
-    tools: ToolPlan | None
+    reply: Reply                    # how the output is read: tool calls, reasoning
     service_class: str
     top_n: int | None               # top_logprobs when logprobs were asked for, else None
 
@@ -63,7 +89,17 @@ async def chat_prompt(st: ServerState, req: ChatCompletionRequest) -> tuple[Tool
     """(the tool plan, the structured-output spec, the prompt's token ids) of a chat request; the
     prompt alone is what /v1/messages/count_tokens counts."""
     tools, structure = await chat_constraints(st, req)
-    return tools, structure, conversation_ids(st, req.messages, req.add_generation_prompt, tools)
+    return tools, structure, conversation_ids(st, req.messages, req.add_generation_prompt, tools,
+                                              req.chat_template_kwargs)
+
+
+def reply_plan(st: ServerState, tools: ToolPlan | None, structure: StructuredOutputParams | None,
+               ids: list[int]) -> Reply:
+    """How the output is read. A grammar (structured output, a forced tool call) constrains the output
+    from its first token, so a constrained reply has no reasoning part: the parser is off for it."""
+    reasoning = reasoning_parser_for(st.config.reasoning_parser) if structure is None else None
+    inside = reasoning.starts_inside(st.tokenizer.decode(ids[-8:])) if reasoning is not None else None
+    return Reply(tools, reasoning, inside)
 
 
 async def prepare(st: ServerState, req: ChatCompletionRequest) -> PreparedChat:
@@ -86,7 +122,7 @@ async def prepare(st: ServerState, req: ChatCompletionRequest) -> PreparedChat:
                                  "logit_bias": logit_bias_ids(req.logit_bias, vocab),
                                  "structured_output": structure},
                                 renames={"max_tokens": max_param, "logprobs": "top_logprobs"})
-    return PreparedChat(ids, params, tools, service_class, top_n)
+    return PreparedChat(ids, params, reply_plan(st, tools, structure, ids), service_class, top_n)
 
 
 @router.post("/v1/chat/completions")
@@ -95,13 +131,13 @@ async def create_chat_completion(request: Request) -> Response:
     st: ServerState = request.app.state.tokenfab
     req: ChatCompletionRequest = await st.parse(request, ChatCompletionRequest)
     p = await prepare(st, req)
-    ids, params, tools, top_n = p.ids, p.params, p.tools, p.top_n
+    ids, params, reply, top_n = p.ids, p.params, p.reply, p.top_n
 
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     access = request.state.access = {"id": rid, "prompt_tokens": len(ids), "output_tokens": 0}
     (stream,) = await st.start(rid, [ids], params, req.priority, arrival, p.service_class)
     if req.stream:
-        return sse_response(framed(_stream(st, req, rid, stream, top_n, params.n, access, arrival, tools),
+        return sse_response(framed(chunks(st, req, rid, stream, top_n, params.n, access, arrival, reply),
                                    [stream], access), rid)
 
     try:
@@ -112,7 +148,7 @@ async def create_chat_completion(request: Request) -> Response:
     choices = []
     for o in final.outputs:
         lps = chat_logprobs(st.token_text, o.token_ids, o.logprobs or [], top_n) if top_n is not None else None
-        message, finish_reason = assistant_message(tools, o.text, o.finish_reason)
+        message, finish_reason = reply.message(o.text, o.finish_reason)
         choices.append({"index": o.index, "message": message,
                         "logprobs": lps, "finish_reason": finish_reason, "stop_reason": o.stop_reason})
     completion_tokens = sum(len(o.token_ids) for o in final.outputs)
@@ -124,12 +160,16 @@ async def create_chat_completion(request: Request) -> Response:
     return JSONResponse(body, headers={"X-Request-Id": rid})
 
 
-async def _stream(st: ServerState, req: ChatCompletionRequest, rid: str, stream, top_n: int | None, n: int,
-                  access: dict, arrival: float, tools=None):
+async def chunks(st: ServerState, req: ChatCompletionRequest, rid: str, stream, top_n: int | None, n: int,
+                 access: dict, arrival: float, reply: Reply) -> AsyncIterator[str]:
+    """The SSE chunks of a streamed reply from its engine stream (RequestOutputs, cumulative per choice).
+    A chunk goes out when a choice has reasoning, content, tool calls or a finish reason to send; the
+    tokens of text a parser still holds back (a possible tag) wait, with their logprobs, for the next."""
     created = int(time.time())
     prompt_tokens = access["prompt_tokens"]
     deltas = [ChoiceDelta() for _ in range(n)]
-    calls = [tools.parser.streamer() for _ in range(n)] if tools is not None and tools.parses else None
+    replies = [reply.stream() for _ in range(n)]
+    held: list[tuple[list[int], list]] = [([], []) for _ in range(n)]     # (token ids, logprobs) not yet sent
 
     def chunk(choices: list[dict], completion_tokens: int | None = None) -> dict:
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
@@ -152,18 +192,19 @@ async def _stream(st: ServerState, req: ChatCompletionRequest, rid: str, stream,
             delta = deltas[o.index].advance(o)
             if delta is None:
                 continue
-            body, finish_reason = ({"content": delta.text} if delta.text else {}), delta.finish_reason
-            if calls is not None:     # tool calls: text inside <tool_call> tags leaves as tool_calls deltas
-                body, finish_reason = stream_delta(calls[o.index], delta.text, delta.finish_reason)
-                if not body and finish_reason is None:
-                    continue
-            lps = chat_logprobs(st.token_text, delta.token_ids, delta.logprobs, top_n) \
-                if top_n is not None else None
+            ids, lps = held[o.index]
+            ids += delta.token_ids
+            lps += delta.logprobs
+            body, finish_reason = replies[o.index].feed(delta.text, delta.finish_reason)
+            if not body and finish_reason is None:
+                continue
+            held[o.index] = ([], [])
+            logprobs = chat_logprobs(st.token_text, ids, lps, top_n) if top_n is not None else None
             if access.get("ttft_s") is None and delta.text:
                 access["ttft_s"] = time.monotonic() - arrival
             access["output_tokens"] = sum(d.token_count for d in deltas)
             yield sse(chunk([{"index": o.index, "delta": body,
-                              "logprobs": lps, "finish_reason": finish_reason,
+                              "logprobs": logprobs, "finish_reason": finish_reason,
                               "stop_reason": delta.stop_reason}],
                             access["output_tokens"] if req.continuous_usage else None))
     if req.include_usage:

@@ -66,6 +66,10 @@ def add_parser(subparsers) -> None:
     g.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="how tool calls are written and parsed (vLLM's flag): "
                         f"{', '.join(sorted(_tool_parsers()))} (default: chosen by the chat template; hermes)")
+    g.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split a thinking model's reasoning (<think>...</think>) out of the answer into "
+                        f"reasoning_content and thinking blocks (vLLM's flag): {', '.join(sorted(_reasoning_parsers()))} "
+                        "(default: none, the whole text is the answer)")
     b = p.add_argument_group("batch API (/v1/files, /v1/batches; docs/batch.md)")
     b.add_argument("--data-dir", metavar="DIR",
                    help="keep batch files and jobs here (SQLite + files); a restarted server resumes unfinished "
@@ -120,7 +124,7 @@ def server_config_from_args(args: argparse.Namespace):
                           ui=args.ui, data_dir=args.data_dir, batch_max_file_bytes=args.batch_max_file_bytes,
                           batch_max_total_bytes=args.batch_max_total_bytes, batch_concurrency=args.batch_concurrency,
                           slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-                          tool_call_parser=args.tool_call_parser,
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                           batch_priority=args.batch_priority)
     config.validate()
     return config
@@ -137,6 +141,11 @@ def _int_or_none(text: str) -> int | None:
 
 def _tool_parsers() -> dict:
     from tokenfab.server.tool_parsers import PARSERS
+    return PARSERS
+
+
+def _reasoning_parsers() -> dict:
+    from tokenfab.server.reasoning import PARSERS
     return PARSERS
 
 

@@ -30,6 +30,7 @@ class ServerConfig:
     slo_tpot_ms: float | None = None         # interactive TPOT target
     batch_priority: int | None = 1           # priority at or above this (service_tier auto/none): batch class; None: never
     tool_call_parser: str | None = None      # server/tool_parsers.py PARSERS name; None: chosen by the chat template
+    reasoning_parser: str | None = None      # server/reasoning.py PARSERS name; None: no reasoning split (all content)
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -53,5 +54,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a positive number of milliseconds, got {v}")
         from tokenfab.server.tool_parsers import check_parser_name
         check_parser_name(self.tool_call_parser)
+        from tokenfab.server.reasoning import check_parser_name as check_reasoning_parser
+        check_reasoning_parser(self.reasoning_parser)
         if any(not k for k in self.api_keys):
             raise ValueError("an API key must not be empty")

@@ -16,8 +16,14 @@ The mapping, field by field:
 - `stop_sequences` -> stop; `max_tokens`, `temperature`, `top_p`, `top_k` as they are.
 - finish reasons -> stop_reason: a tool call -> tool_use, length -> max_tokens, a stop sequence ->
   stop_sequence (and `stop_sequence` names it), anything else -> end_turn.
-Anything tokenfab cannot honour (image and document blocks, `thinking`, server tools, `container`,
-...) is a 400 naming the field.
+- `thinking` {"type": "enabled"} (accepted only when the server runs --reasoning-parser) and
+  {"type": "disabled"} -> chat_template_kwargs {"enable_thinking": true / false}, the switch of the
+  templates that have one (Qwen3's; others ignore it); `budget_tokens` is not enforced. The reply's
+  reasoning becomes a `thinking` block before the text (server/messages_reply.py). `thinking` and
+  `redacted_thinking` blocks sent back in assistant turns are dropped from the prompt, as the thinking
+  templates drop earlier turns' reasoning.
+Anything else tokenfab cannot honour (image and document blocks, server tools, `container`, ...) is a
+400 naming the field.
 """
 from __future__ import annotations
 
@@ -43,6 +49,8 @@ router = APIRouter()
 # The fields each block may have; a field given as null counts as absent (the anthropic client's models
 # dump their unset optional fields as null when an agent sends a reply's blocks back).
 BLOCK_FIELDS = {"text": {"type", "text", "cache_control", "citations"},
+                "thinking": {"type", "thinking", "signature"},
+                "redacted_thinking": {"type", "data"},
                 "tool_use": {"type", "id", "name", "input", "cache_control", "caller"},
                 "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"}}
 
@@ -61,7 +69,7 @@ async def create_message(request: Request) -> Response:
     access = request.state.access = {"id": rid, "prompt_tokens": len(p.ids), "output_tokens": 0}
     (stream,) = await st.start(rid, [p.ids], p.params, 0, arrival, p.service_class)
     if req.stream:
-        events = message_events(rid, req.model, stream, p.tools, req.stop_sequences, access, arrival)
+        events = message_events(rid, req.model, stream, p.reply, req.stop_sequences, access, arrival)
         return sse_response(framed(events, [stream], access, error_event=anthropic_error_event, done=None), rid)
     try:
         (final,) = await st.collect(request, [stream])
@@ -69,7 +77,7 @@ async def create_message(request: Request) -> Response:
         access["outcome"] = "client_disconnected"
         return Response(status_code=499)
     (o,) = final.outputs
-    content, finish_reason = content_blocks(p.tools, o.text, o.finish_reason)
+    content, finish_reason = content_blocks(p.reply, o.text, o.finish_reason)
     reason, sequence = stop_reason(finish_reason, o.stop_reason, req.stop_sequences)
     m = final.metrics
     access.update(output_tokens=len(o.token_ids),
@@ -94,7 +102,7 @@ async def count_tokens(request: Request) -> dict:
 
 def _checked(st: ServerState, req: CountTokensRequest) -> ChatCompletionRequest:
     st.check_model(req.model)
-    bad = req.unsupported()
+    bad = req.unsupported(reasoning=st.config.reasoning_parser is not None)
     if bad is not None:
         raise APIError(400, f"{bad[0]}: {bad[1]}", param=bad[0], code="unsupported")
     return to_chat_request(req)
@@ -133,6 +141,8 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         body["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
         body["tool_choice"], body["parallel_tool_calls"] = _tool_choice(req.tool_choice)
+    if req.thinking is not None:
+        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.get("type") == "enabled"}
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stream=req.stream)
         if req.stop_sequences is not None:
@@ -157,6 +167,8 @@ def chat_messages(req: CountTokensRequest) -> list[dict]:
             kind = _block_type(b, where)
             if kind == "text":
                 texts.append(b["text"])
+            elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue                   # earlier reasoning: not part of the prompt
             elif kind == "tool_use" and m.role == "assistant":
                 calls.append(_tool_call(b, where))
             elif kind == "tool_result" and m.role == "user":
@@ -165,7 +177,7 @@ def chat_messages(req: CountTokensRequest) -> list[dict]:
                     texts = []
                 out.append(_tool_message(b, where))
             else:
-                belongs = "an assistant" if kind == "tool_use" else "a user"
+                belongs = "a user" if kind == "tool_result" else "an assistant"
                 raise APIError(400, f"{where}: a {kind} block belongs in {belongs} message, not a {m.role} one",
                                param=where, code="invalid_value")
         if m.role == "assistant":
@@ -179,7 +191,8 @@ def _block_type(b, where: str) -> str:
     kind = b.get("type") if isinstance(b, dict) else None
     if not isinstance(kind, str) or kind not in BLOCK_FIELDS:
         raise APIError(400, f"{where}.type {kind!r} is not supported: tokenfab's /v1/messages takes text, tool_use "
-                            "and tool_result blocks (no images, documents, thinking or server-tool blocks)",
+                            "and tool_result blocks, and thinking blocks in assistant turns (no images, documents or "
+                            "server-tool blocks)",
                        param=f"{where}.type", code="unsupported")
     extra = sorted(k for k, v in b.items() if k not in BLOCK_FIELDS[kind] and v is not None)
     if b.get("citations") is not None:

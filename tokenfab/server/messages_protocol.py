@@ -50,7 +50,7 @@ class CountTokensRequest(_Body):
     system: str | list[dict] | None = None
     tools: list[ToolParam] | None = None
     tool_choice: dict | None = None
-    thinking: dict | None = None            # only {"type": "disabled"} is honoured (server/messages.py)
+    thinking: dict | None = None            # disabled; enabled only with --reasoning-parser (server/messages.py)
     cache_control: dict | None = None       # a prompt-caching hint: tokenfab caches prefixes by itself
     container: Any = None
     mcp_servers: Any = None
@@ -59,16 +59,19 @@ class CountTokensRequest(_Body):
     # aliased: ServerState's API-key check reads `service_tier` as OpenAI's (with `priority`)
     tier: Any = Field(None, alias="service_tier")
 
-    def unsupported(self) -> tuple[str, str] | None:
-        """(field, why) for the first field given that tokenfab cannot honour, else None."""
+    def unsupported(self, reasoning: bool = False) -> tuple[str, str] | None:
+        """(field, why) for the first field given that tokenfab cannot honour, else None. `reasoning`:
+        the server runs a reasoning parser, so `thinking: {"type": "enabled"}` can be honoured."""
         for name, field in type(self).model_fields.items():
             key = field.alias or name
             if key in UNSUPPORTED and getattr(self, name) is not None:
                 return key, UNSUPPORTED[key]
         thinking = (self.thinking or {}).get("type", "disabled")
-        if thinking != "disabled":
-            return "thinking", (f"type {thinking!r} is not supported (tokenfab has no extended thinking); "
-                                'leave it out or send {"type": "disabled"}')
+        if thinking == "enabled" and not reasoning:
+            return "thinking", ("type 'enabled' needs a server started with --reasoning-parser (this one splits "
+                                'no reasoning out); leave it out or send {"type": "disabled"}')
+        if thinking not in ("disabled", "enabled"):
+            return "thinking", f'type {thinking!r} is not supported; send {{"type": "enabled"}} or {{"type": "disabled"}}'
         return None
 
 

@@ -1,13 +1,14 @@
 """The reply of /v1/messages in Anthropic's shape, whole or streamed: content blocks, stop_reason, usage.
 
-The model's text goes through the request's tool-call parser (server/tools.py), as in chat completions;
-what the parser gives, content and calls, becomes text and tool_use blocks here. Streamed, the events
+The model's text goes through the request's reasoning and tool-call parsers (server/reply.py), as in
+chat completions; what they give, reasoning, content and calls, becomes thinking, text and tool_use
+blocks here (a thinking block's `signature` is empty: tokenfab signs nothing). Streamed, the events
 are Anthropic's, each with its `event:` line:
 
     message_start -> (content_block_start -> content_block_delta* -> content_block_stop)*
                   -> message_delta (stop_reason, usage) -> message_stop
 
-Text arrives as `text_delta`s; a tool call as a tool_use block whose `input_json_delta` fragments join
+Reasoning arrives as `thinking_delta`s, text as `text_delta`s; a tool call as a tool_use block whose `input_json_delta` fragments join
 to its input's JSON text. A block opens only when it has something to say, so a reply that is one
 tool call has no empty text block before it, and the streamed text equals the whole reply's text.
 """
@@ -19,7 +20,7 @@ from collections.abc import AsyncIterator
 
 from tokenfab.server.errors import anthropic_error_body
 from tokenfab.server.streaming import ChoiceDelta
-from tokenfab.server.tools import ToolPlan, assistant_message, stream_delta
+from tokenfab.server.reply import Reply
 
 
 def event(name: str, data: dict) -> str:
@@ -36,10 +37,13 @@ def tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def content_blocks(tools: ToolPlan | None, text: str, finish_reason: str | None) -> tuple[list[dict], str | None]:
+def content_blocks(reply: Reply, text: str, finish_reason: str | None) -> tuple[list[dict], str | None]:
     """(the reply's content blocks, the chat finish reason) from the model's whole text."""
-    message, finish_reason = assistant_message(tools, text, finish_reason)
-    blocks = [{"type": "text", "text": message["content"]}] if message.get("content") else []
+    message, finish_reason = reply.message(text, finish_reason)
+    blocks = [{"type": "thinking", "thinking": message["reasoning_content"], "signature": ""}] \
+        if message.get("reasoning_content") else []
+    if message.get("content"):
+        blocks.append({"type": "text", "text": message["content"]})
     for c in message.get("tool_calls") or ():
         fn = c["function"]
         try:
@@ -49,7 +53,7 @@ def content_blocks(tools: ToolPlan | None, text: str, finish_reason: str | None)
         if isinstance(args, dict):
             blocks.append({"type": "tool_use", "id": tool_use_id(c["id"]), "name": fn["name"], "input": args})
         else:           # arguments that are not an object cannot be a tool_use input: the text the model wrote
-            blocks.append({"type": "text", "text": tools.parser.format_call(fn["name"], fn["arguments"])})
+            blocks.append({"type": "text", "text": reply.tools.parser.format_call(fn["name"], fn["arguments"])})
     return blocks, finish_reason
 
 
@@ -65,7 +69,7 @@ def stop_reason(finish_reason: str | None, stopped_by: int | str | None,
     return "end_turn", None
 
 
-async def message_events(rid: str, model: str, stream, tools: ToolPlan | None, stop_sequences: list[str] | None,
+async def message_events(rid: str, model: str, stream, reply: Reply, stop_sequences: list[str] | None,
                          access: dict, arrival: float) -> AsyncIterator[str]:
     """The reply to a streamed /v1/messages request, event by event, from its engine stream."""
     prompt_tokens = access["prompt_tokens"]
@@ -73,7 +77,7 @@ async def message_events(rid: str, model: str, stream, tools: ToolPlan | None, s
         "id": rid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
         "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
     delta = ChoiceDelta()
-    calls = tools.parser.streamer() if tools is not None and tools.parses else None
+    parts = reply.stream()
     blocks = _Blocks()
     finish: tuple[str | None, int | str | None] = (None, None)
     async for out in stream:
@@ -81,10 +85,7 @@ async def message_events(rid: str, model: str, stream, tools: ToolPlan | None, s
         d = delta.advance(o)
         if d is None:
             continue
-        if calls is not None:
-            body, finish_reason = stream_delta(calls, d.text, d.finish_reason)
-        else:
-            body, finish_reason = ({"content": d.text} if d.text else {}), d.finish_reason
+        body, finish_reason = parts.feed(d.text, d.finish_reason)
         if access.get("ttft_s") is None and body:
             access["ttft_s"] = time.monotonic() - arrival
         access["output_tokens"] = delta.token_count
@@ -101,7 +102,8 @@ async def message_events(rid: str, model: str, stream, tools: ToolPlan | None, s
 
 
 class _Blocks:
-    """Chat-style deltas ({"content", "tool_calls"}) -> content block events, one block open at a time."""
+    """Chat-style deltas ({"reasoning_content", "content", "tool_calls"}) -> content block events, one
+    block open at a time."""
 
     def __init__(self) -> None:
         self.index = -1
@@ -109,6 +111,10 @@ class _Blocks:
 
     def feed(self, body: dict) -> list[str]:
         out = []
+        if body.get("reasoning_content"):
+            if self.open != "thinking":
+                out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            out.append(self._delta({"type": "thinking_delta", "thinking": body["reasoning_content"]}))
         if body.get("content"):
             if self.open != "text":
                 out += self._start({"type": "text", "text": ""})

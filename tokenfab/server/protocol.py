@@ -187,6 +187,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None   # template variables, e.g. {"enable_thinking": false}
 
     @field_validator("messages")
     @classmethod
@@ -212,6 +213,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):

@@ -37,6 +37,12 @@ class SpecStats:
     num_accepted_tokens: int = 0         # of those, accepted
     accepted_per_pos: list[int] = field(default_factory=list)   # [i]: rounds whose draft i was accepted
 
+    def fill(self, stats) -> None:
+        """Copy these counts into an EngineStats (engine/client.py)."""
+        stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens = self.num_drafts, self.num_draft_tokens
+        stats.spec_decode_num_accepted_tokens = self.num_accepted_tokens
+        stats.spec_decode_num_accepted_tokens_per_pos = tuple(self.accepted_per_pos)
+
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, vocab_size: int, model=None, runner=None,
