@@ -7,6 +7,7 @@ against tokenfab.registry, which those parts fill.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from tokenfab import registry
 
@@ -37,6 +38,9 @@ class EngineConfig:
                                              # every layer keeps every position (single-process only)
     kv_cache_dtype: str = "auto"             # auto | float32 | float16 (half the bytes decode attention reads) | int8;
                                              # auto: float16 where the cpu backend's C kernels read it, else = dtype
+    kv_disk_dir: str | None = None           # the disk tier: full prefix blocks saved here, one file each, and loaded
+                                             # back on a prefix hit, also after a restart (engine/kv_disk.py); None: off
+    kv_disk_bytes: int = 4 << 30             # ... at most this many bytes of block files, least recently used deleted
     quantization: str = "auto"               # auto | none (float) | gguf (blocks as shipped) | int8 | int4[-g32|-g64|-g128]
     scheduling_policy: str = "fcfs"          # fcfs | priority
     batch_prefill_share: float = 0.25        # most of a step's token budget batch-class prefills may take (engine/lanes.py)
@@ -126,6 +130,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_cache_dtype not in ("auto", "float32", "float16", "int8"):
             raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or int8, got {self.kv_cache_dtype!r}")
+        self._validate_kv_disk()
         for name in ("quantization", "attention_backend", "linear_kernel"):    # names the parts register
             registry.check(name, getattr(self, name))
         if self.prefill_attention_dtype not in ("auto", "float32", "bfloat16"):
@@ -167,6 +172,25 @@ class EngineConfig:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         SpeculativeConfig.from_dict(self.speculative_config)
+
+
+    def _validate_kv_disk(self) -> None:
+        v = self.kv_disk_bytes
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"kv_disk_bytes must be a positive number of bytes, got {v!r}")
+        if self.kv_disk_dir is None:
+            return
+        d = Path(self.kv_disk_dir).expanduser()
+        if not d.parent.is_dir():
+            raise ValueError(f"kv_disk_dir {self.kv_disk_dir!r}: its parent {str(d.parent)!r} does not exist "
+                             f"(the directory itself is made when missing)")
+        if d.exists() and not d.is_dir():
+            raise ValueError(f"kv_disk_dir {self.kv_disk_dir!r} is a file, not a directory")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_disk_dir needs enable_prefix_caching: the disk tier's keys are the prefix cache's hashes")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"kv_disk_dir needs one KV pool in one process, not tensor_parallel_size "
+                             f"{self.tensor_parallel_size}")
 
 
 METHODS = ("ngram", "draft", "layerskip")

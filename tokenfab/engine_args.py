@@ -106,6 +106,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    help="KV cache element type; float16 halves what decode attention reads (many streams; "
                         "values rounded to float16); auto: float16 where tokenfab's C kernels read it (CPU, "
                         f"float32, head_dim a multiple of 64), else --dtype (default: {d.kv_cache_dtype})")
+    g.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="the disk tier: save full prefix blocks in DIR (made if missing) and load them back on a "
+                        "prefix hit, also after a restart (default: off; docs/architecture.md)")
+    g.add_argument("--kv-disk-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="with --kv-disk-dir, the most bytes its block files take, least recently used deleted "
+                        f"first, e.g. 20GiB (default: {d.kv_disk_bytes >> 30}GiB)")
     # No argparse choices: EngineConfig.validate owns the list and names it when a value is wrong.
     g.add_argument("--quantization", "-q", default=None,
                    help="weights: auto (GGUF blocks as shipped, else float), none (float), gguf, int8, w8a8 "

@@ -69,6 +69,17 @@ class EngineStats:
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()   # [i]: drafts whose token i was accepted
     num_used_blocks: int = 0             # blocks held by live sequences (0 when idle), sliding pool included
     kv_touched_bytes: int = 0            # the KV pool's share ever used: resident pages (kv_cache.BlockManager.touched)
+    # the disk tier (engine/kv_disk.py, DiskTierStats), 0 without one
+    kv_disk_hit_blocks: int = 0
+    kv_disk_hit_tokens: int = 0
+    kv_disk_miss_blocks: int = 0
+    kv_disk_bytes_written: int = 0
+    kv_disk_bytes_read: int = 0
+    kv_disk_skipped_files: int = 0
+    kv_disk_dropped_saves: int = 0
+    kv_disk_load_seconds: float = 0.0
+    kv_disk_loads: int = 0
+    kv_disk_bytes_used: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ The pool is the list of the runner's KV tensors (values, and int8 scales), each 
 
 `KVConnectorBinding` wires a connector into an engine: off by default (the engine holds None and the
 block manager collects no full blocks), so a step without a connector pays nothing.
-`InMemoryKVConnector` is the trivial connector: a dict from content hash to the block's tensors, which
+`DiskKVConnector` (engine/kv_disk.py) is the disk tier. `InMemoryKVConnector` is the trivial connector: a dict from content hash to the block's tensors, which
 several engines in one process may share.
 """
 from __future__ import annotations
@@ -32,6 +32,12 @@ class KVConnectorScheduler(Protocol):
 
 
 class KVConnectorWorker(Protocol):
+    def bind(self, key_seed: int, block_size: int, pool: list[torch.Tensor]) -> None:
+        """Called once, before anything else: the engine's key seed, block size and KV pool."""
+
+    def close(self) -> None:
+        """The engine is closing: finish what was handed over (saves) and stop any threads."""
+
     def start_load(self, blocks: list[tuple[int, int]], pool: list[torch.Tensor]) -> None:
         """Fill pool block ids with the K/V saved under their hashes: (hash, block id) pairs."""
 
@@ -70,8 +76,12 @@ class KVConnectorBinding:
         self.connector, self.bm = connector, bm
         self.pool = [t for t in (runner.kv, runner.kv_scales) if t is not None]
         bm.hash_seed = key_seed(model, runner.kv.dtype, config.block_size)
+        connector.bind(bm.hash_seed, config.block_size, self.pool)
         bm.newly_full = []
         scheduler.kv_connector = connector
+
+    def close(self) -> None:
+        self.connector.close()
 
     def load(self, blocks: list[tuple[int, int]]) -> None:
         """Before the model runs: the step's matched blocks are in the pool, and earlier saves have read theirs."""
@@ -93,6 +103,12 @@ class InMemoryKVConnector:
 
     def __init__(self, store: dict[int, list[torch.Tensor]] | None = None):
         self.store = {} if store is None else store
+
+    def bind(self, key_seed: int, block_size: int, pool: list[torch.Tensor]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def match(self, block_hashes: list[int]) -> tuple[int, bool]:
         n = 0

@@ -1,8 +1,8 @@
 """Prometheus metrics for `/metrics`: vLLM's names under the `tokenfab:` prefix (DESIGN.md §5).
 
 Two sources:
-- Gauges and engine counters (running/waiting, KV usage, prefix cache, preemptions, token totals,
-  speculative decoding) are read from the EngineClient's latest stats snapshot (engine/client.py) at
+- Gauges and engine counters (running/waiting, KV usage, prefix cache, the disk tier, preemptions,
+  token totals, speculative decoding) are read from the EngineClient's latest stats snapshot (engine/client.py) at
   scrape time by a custom collector, so a scrape never waits for a step; `config_info` carries the
   labels of its ModelInfo.
 - Latency histograms (TTFT, inter-token latency, end-to-end, queue time) and finished-request
@@ -18,7 +18,7 @@ process families then describe the one process they share.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from tokenfab.outputs import RequestOutput
 from tokenfab.server.keys import KeyLimiter
@@ -44,6 +44,7 @@ _GAUGES = [
     ("kv_cache_num_blocks", "KV cache blocks in the pool.", "num_blocks"),
     ("kv_cache_touched_bytes", "Bytes of the KV pool used at least once since start: its resident pages, which "
      "grow until the whole pool has been used (docs/serving.md).", "kv_touched_bytes"),
+    ("kv_disk_bytes_used", "Bytes of block files the disk tier holds (within --kv-disk-bytes).", "kv_disk_bytes_used"),
     ("engine_num_threads", "Threads the engine's steps run on (changed while other processes take the cores; "
      "above torch's count only for the C kernels' pool, docs/serving.md).", "num_threads"),
 ]
@@ -53,6 +54,15 @@ _COUNTERS = [
     ("num_preemptions", "Sequences preempted (by recompute).", "num_preemptions"),
     ("prompt_tokens", "Prompt tokens processed.", "prompt_tokens"),
     ("generation_tokens", "Tokens generated.", "generation_tokens"),
+    ("kv_disk_hit_blocks", "KV blocks loaded from the disk tier.", "kv_disk_hit_blocks"),
+    ("kv_disk_hit_tokens", "Prompt tokens whose KV was loaded from the disk tier.", "kv_disk_hit_tokens"),
+    ("kv_disk_miss_blocks", "Full prefix blocks asked of the disk tier that it did not hold.", "kv_disk_miss_blocks"),
+    ("kv_disk_bytes_written", "Bytes of block files the disk tier wrote.", "kv_disk_bytes_written"),
+    ("kv_disk_bytes_read", "Bytes of block files the disk tier read.", "kv_disk_bytes_read"),
+    ("kv_disk_skipped_files", "Block files not loaded: corrupt, truncated, another model or layout, another "
+     "version (each also logged).", "kv_disk_skipped_files"),
+    ("kv_disk_dropped_saves", "Blocks not saved to the disk tier because its writer was behind.",
+     "kv_disk_dropped_saves"),
     ("spec_decode_num_drafts", "Speculative draft rounds.", "spec_decode_num_drafts"),
     ("spec_decode_num_draft_tokens", "Speculative tokens proposed.", "spec_decode_num_draft_tokens"),
     ("spec_decode_num_accepted_tokens", "Speculative tokens accepted.", "spec_decode_num_accepted_tokens"),
@@ -75,6 +85,11 @@ class _EngineCollector:
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels[0])
             c.add_metric(labels[1], float(getattr(stats, attr, 0)))
             yield c
+        m = SummaryMetricFamily(PREFIX + "kv_disk_load_seconds", "Reading and checking one disk tier block file.",
+                                labels=labels[0])
+        m.add_metric(labels[1], count_value=float(getattr(stats, "kv_disk_loads", 0)),
+                     sum_value=float(getattr(stats, "kv_disk_load_seconds", 0.0)))
+        yield m
         info = self.config_labels()
         if info:
             g = GaugeMetricFamily(PREFIX + "config_info", "The engine's settings, as labels (value 1); "
