@@ -4,7 +4,6 @@ The offline `LLM`, the CLI and the server's AsyncEngine all drive this class.
 """
 from __future__ import annotations
 
-from dataclasses import fields
 import time
 
 import torch
@@ -14,7 +13,7 @@ from tokenfab.engine.client import EngineStats
 from tokenfab.engine.input_processor import InputProcessor
 from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.kv_connector import KVConnector, KVConnectorBinding
-from tokenfab.engine.kv_disk import DiskKVConnector, DiskTierStats
+from tokenfab.engine.kv_disk import DiskKVConnector, connector_for
 from tokenfab.engine.output_processor import OutputProcessor
 from tokenfab.engine.sampler import Sampler, SampleRow
 from tokenfab.engine.scheduler import Scheduler
@@ -82,10 +81,7 @@ class LLMEngine(WorkerAttributes):
         self.small_batch_threads, self._full_threads = config.small_batch_threads or None, threads
         self.thread_controller = engine_controller(config.adaptive_threads and not self.small_batch_threads,
                                                    config.device, threads)
-        if config.kv_disk_dir is not None:
-            if kv_connector is not None:
-                raise ValueError("give kv_disk_dir or a kv_connector, not both")
-            kv_connector = DiskKVConnector(config.kv_disk_dir, config.kv_disk_bytes)
+        kv_connector = connector_for(config, kv_connector)      # --kv-disk-dir: the disk tier (engine/kv_disk.py)
         self.kv_disk = kv_connector if isinstance(kv_connector, DiskKVConnector) else None
         self.kv_connector = (KVConnectorBinding(kv_connector, self.scheduler, self.runner, config, self.model_path)
                              if kv_connector is not None else None)
@@ -197,8 +193,7 @@ class LLMEngine(WorkerAttributes):
                             num_used_blocks=bm.num_used_blocks(),
                             kv_touched_bytes=self.kv_pool_bytes * bm.num_touched // bm.num_blocks)
         if self.kv_disk is not None:
-            for f in fields(DiskTierStats):
-                setattr(stats, "kv_disk_" + f.name, getattr(self.kv_disk.stats, f.name))
+            self.kv_disk.stats.fill(stats)
         if self.spec is not None:
             self.spec.stats.fill(stats)
         return stats

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -62,6 +62,21 @@ class DiskTierStats:
     load_seconds: float = 0.0    # reading and checking block files, summed ...
     loads: int = 0               # ... over this many files
     bytes_used: int = 0          # the indexed files' bytes (within the budget)
+
+    def fill(self, stats) -> None:
+        """Copy these into an EngineStats's kv_disk_* fields (engine/client.py)."""
+        for f in fields(self):
+            setattr(stats, "kv_disk_" + f.name, getattr(self, f.name))
+
+
+def connector_for(config, kv_connector):
+    """The engine's KV connector: the disk tier when `config.kv_disk_dir` is set (ValueError beside another
+    connector), else `kv_connector` as given."""
+    if config.kv_disk_dir is None:
+        return kv_connector
+    if kv_connector is not None:
+        raise ValueError("give kv_disk_dir or a kv_connector, not both")
+    return DiskKVConnector(config.kv_disk_dir, config.kv_disk_bytes)
 
 
 class DiskKVConnector:
