@@ -1,5 +1,7 @@
 """tokenfab's C kernels against their torch references, and the fallback when they cannot be built."""
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -185,6 +187,42 @@ def test_env_switch_turns_the_kernels_off(monkeypatch):
     finally:
         monkeypatch.undo()
         kernels.set_enabled(True)
+
+
+_LATE_WORKER = """
+import gc, sys, time, torch
+from tokenfab import kernels
+from tokenfab.quant.linear import Int4Linear
+torch.set_num_threads(2)
+x, took = torch.randn(1, 2048), 0
+for attempt in range(6):
+    layer = Int4Linear.from_float(torch.randn(8192, 2048) * 0.05, None, 32)   # 8 MB of codes: mapped
+    layer.kernel = "qgemm"
+    for _ in range(50):
+        layer(x)                                  # the workers are up and spinning
+    kernels.pool_config(True, 100000)             # a worker sleeps 0.1 s after its claim, before its inputs
+    before = kernels.pool_stats()["taken_over"]
+    layer(x)
+    took += kernels.pool_stats()["taken_over"] - before
+    kernels.pool_config(True, 0)
+    del layer
+    gc.collect()                                  # the weights are unmapped now
+    time.sleep(0.2)                               # a late worker would read them here
+print("taken over", took)
+"""
+
+
+def test_a_call_whose_chunk_was_taken_over_returns_only_after_the_late_worker_left_its_inputs():
+    """A worker descheduled between claiming a chunk and reading the call's inputs: the caller takes the
+    chunk over, and must not return (letting its caller free the weights) until the worker has left it.
+    Returning at once was a segmentation fault when the freed weights were unmapped (glibc unmaps blocks
+    above its mmap threshold, fixed low here so that it always does)."""
+    if "avx2" not in kernels.compiled_features() or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the pool's workers need an AVX2 build and two cores to claim chunks beside the caller")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    r = subprocess.run([sys.executable, "-c", _LATE_WORKER], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+    assert int(r.stdout.split()[-1]) >= 1, "no chunk was taken over, so nothing was tested"
 
 
 @pytest.mark.parametrize("make", [

@@ -11,13 +11,14 @@
  * (when only the caller took from the workers, 3 threads beside two busy loops on the 2-core EPYC kept
  * 0.47 of the quiet speed; stealing both ways, 0.49, and 4 threads 0.52-0.59). The caller, last, also
  * takes over any chunk a worker claimed but has not finished after a short wait (the caller's own chunk
- * time, twice): a descheduled worker costs at most one chunk done twice, never a time slice. (A shared claim counter
- * instead cost 25 % of a 1-row call on the 2-core EPYC: every claim moved its cache line across cores.)
+ * time, twice), so the outputs are ready without it. (A shared claim counter instead cost 25 % of a 1-row
+ * call on the 2-core EPYC: every claim moved its cache line across cores.)
  * A worker computes its chunk into its own buffer and publishes it with a compare-and-swap on the chunk's
- * state (tagged with the job's generation), so a worker that comes back after its chunk was taken over,
- * or after the job ended, throws its result away. What a late worker can still read: the job's copy it
- * made (validated by a sequence count), the caller's scratch (tf_scratch, never freed) and the weights
- * (a model freed within the few milliseconds a preempted worker is away would be read after its free).
+ * state (tagged with the job's generation), so a worker that comes back after its chunk was taken over
+ * throws its result away. It is still reading the call's inputs (activations, weights) until then, and
+ * the caller's caller may free them as soon as the call returns (a freed, unmapped tensor read late was a
+ * segmentation fault under heavy contention), so a caller that took a chunk over waits, yielding its core,
+ * until no worker is inside a claim (`running`, a flag per worker) before it returns.
  * Outputs are bit-identical whoever computes a chunk (the same function on the same inputs).
  * Workers are pthreads, started on first use, one fewer than the team: omp_get_max_threads() (torch's
  * count), or tf_pool_threads' (the thread controller's, above the cores under contention). They spin
@@ -33,14 +34,13 @@
 #include "common.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <time.h>
 #ifdef __linux__
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#else
-#include <sched.h>
 #endif
 
 #define TF_POOL_MAX 64            /* workers */
@@ -74,6 +74,10 @@ static struct {
         char pad[56];
     } st[TF_POOL_CHUNKS] __attribute__((aligned(64)));
     _Atomic int64_t worker_chunks __attribute__((aligned(64))), taken_over, discarded;
+    struct {                          /* per worker, a cache line each (claims stay core-local): 1 while it is */
+        _Atomic int v;                /* inside a claim, from before claiming a chunk until it has left it */
+        char pad[60];
+    } running[TF_POOL_MAX + 1] __attribute__((aligned(64)));
     _Atomic int64_t delay_us;         /* tests: a worker sleeps this long inside every chunk */
     _Atomic int64_t spin_ns;          /* how long a worker spins after a job before it sleeps */
     int threads;                      /* > 0: the team size (tf_pool_threads), else omp_get_max_threads() */
@@ -178,26 +182,30 @@ static void *tf_pool_worker(void *arg) {
             tf_pool_run(&j, t, &first, &last);
             for (int64_t i = 0; i < last - first; i++) {
                 const int64_t c = k ? last - 1 - i : first + i;
-                if (!tf_pool_claim(c, g, TF_ST_CLAIMED)) {
+                atomic_store(&tf_pool.running[id].v, 1);        /* before the claim: a caller that took */
+                if (!tf_pool_claim(c, g, TF_ST_CLAIMED)) {     /* this chunk over then waits for it */
+                    atomic_store(&tf_pool.running[id].v, 0);
                     if (k) break;                                 /* its owner is at work there */
                     continue;                                     /* taken over, or the job has ended */
                 }
                 int64_t n0, n1;
                 tf_pool_range(&j, c, &n0, &n1);
-                j.fn(j.args, n0, n1, buf, n1 - n0);
                 const int64_t delay = atomic_load_explicit(&tf_pool.delay_us, memory_order_relaxed);
-                if (delay) {
-                    struct timespec ts = {0, delay * 1000};
+                if (delay) {                              /* tests: descheduled after the claim, before the inputs */
+                    struct timespec ts = {delay / 1000000, (delay % 1000000) * 1000};
                     nanosleep(&ts, NULL);
                 }
+                j.fn(j.args, n0, n1, buf, n1 - n0);
                 uint64_t s = TF_ST(g, TF_ST_CLAIMED);      /* still ours: publish, else throw the result away */
                 if (!atomic_compare_exchange_strong(&tf_pool.st[c].v, &s, TF_ST(g, TF_ST_WRITING))) {
                     atomic_fetch_add_explicit(&tf_pool.discarded, 1, memory_order_relaxed);
+                    atomic_store(&tf_pool.running[id].v, 0);
                     continue;
                 }
                 for (int64_t r = 0; r < j.M; r++)
                     memcpy(j.y + r * j.N + n0, buf + r * (n1 - n0), sizeof(float) * (size_t)(n1 - n0));
                 atomic_store_explicit(&tf_pool.st[c].v, TF_ST(g, TF_ST_DONE), memory_order_release);
+                atomic_store(&tf_pool.running[id].v, 0);
                 done++;
             }
         }
@@ -303,6 +311,7 @@ void tf_cols(tf_cols_fn fn, const void *args, size_t args_size, int64_t M, int64
     tf_pool_job *j = &tf_pool.job;
     const uint32_t g = tf_pool_post(nth, fn, args, args_size, M, N, cols, nchunks, y, NULL, NULL);
     int64_t first, last, chunk_ns = 20000;                     /* until one of its own chunks is timed */
+    int took_over = 0;
     tf_pool_run(j, 0, &first, &last);
     for (int64_t c = first; c < last; c++) {                  /* its own run, but for what a worker took */
         if (!tf_pool_claim(c, g, TF_ST_TAKEN)) continue;
@@ -325,12 +334,24 @@ void tf_cols(tf_cols_fn fn, const void *args, size_t args_size, int64_t M, int64
                 int64_t n0, n1;
                 tf_pool_range(j, c, &n0, &n1);
                 fn(args, n0, n1, y + n0, N);
-                if (!unclaimed) atomic_fetch_add_explicit(&tf_pool.taken_over, 1, memory_order_relaxed);
+                if (!unclaimed) {
+                    atomic_fetch_add_explicit(&tf_pool.taken_over, 1, memory_order_relaxed);
+                    took_over = 1;
+                }
                 break;
             }
             tf_relax();
         }
     }
+    /* A worker whose chunk was taken over may still be reading this call's inputs (the activations, the
+     * weights), which the caller's caller may free as soon as this returns: wait until it has left its
+     * chunk. Its result is thrown away; yielding lets a descheduled worker run on this core. (Returning at
+     * once let a late worker read a freed, unmapped tensor: a segmentation fault under heavy contention.) */
+    for (int w = 1; took_over && w <= tf_pool.nworkers; w++)
+        for (int i = 0; atomic_load(&tf_pool.running[w].v); i++) {
+            if ((i & 63) == 63) sched_yield();
+            tf_relax();
+        }
     pthread_mutex_unlock(&tf_pool.lock);
 }
 
