@@ -243,7 +243,9 @@ def test_a_restart_skips_damaged_and_foreign_files_and_still_answers_right(bundl
         damage(path, kind, pool)
     second = llm(bundled_files, kv_disk_dir=str(d))
     assert tokens(second, A) == cold[A]
-    assert second.engine.stats().kv_disk_skipped_files == 3
+    # file names are content hashes, so which chain positions were damaged varies with the model's path; the
+    # chain stops at the first bad block, so the ones after it are never read (each kind alone: the unit tests)
+    assert 1 <= second.engine.stats().kv_disk_skipped_files <= 3
     second.close()
 
 

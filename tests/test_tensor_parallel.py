@@ -178,10 +178,10 @@ def test_tp_size_that_does_not_divide_the_heads_is_a_clear_error(tiny_llama):
 def test_kv_heads_and_mlp_width_that_do_not_split_are_clear_errors(heads, kv, inter, size, names):
     from types import SimpleNamespace
     from tokenfab.distributed.shard import check_divisible
-    cfg = SimpleNamespace(num_heads=heads, num_kv_heads=kv, intermediate_size=inter)
+    cfg = SimpleNamespace(num_heads=heads, num_kv_heads=kv, intermediate_size=inter, num_experts=0)
     with pytest.raises(ValueError, match=f"tensor_parallel_size {size} does not divide the model's {names}"):
         check_divisible(cfg, size)
-    check_divisible(SimpleNamespace(num_heads=8, num_kv_heads=1, intermediate_size=64), 4)   # KV replicated
+    check_divisible(SimpleNamespace(num_heads=8, num_kv_heads=1, intermediate_size=64, num_experts=0), 4)   # KV replicated
 
 
 def test_fewer_kv_heads_than_ranks_are_replicated_to_their_query_heads(tmp_path, bundled_tokenizer, monkeypatch):
