@@ -29,13 +29,7 @@ reply cut off inside its reasoning (max_tokens) keeps what it had as reasoning, 
 """
 from __future__ import annotations
 
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag` (it may become the tag)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+from tokenfab.server.tool_parsers import partial_suffix
 
 
 class ThinkTagParser:
@@ -98,7 +92,7 @@ class ReasoningStream:
         if self.state == _REASONING:
             i = self.buf.find(self.p.end)
             if i < 0:
-                keep = _partial_suffix(self.buf, self.p.end)
+                keep = partial_suffix(self.buf, self.p.end)
                 reasoning, self.buf = self._section(self.buf[:len(self.buf) - keep]), self.buf[len(self.buf) - keep:]
                 return reasoning, ""
             reasoning, self.buf = self._section(self.buf[:i]), self.buf[i + len(self.p.end):]

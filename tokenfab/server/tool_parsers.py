@@ -75,7 +75,7 @@ def _decode_call(body: str) -> ToolCall | None:
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag` (it may become the tag)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -107,7 +107,7 @@ class HermesStream:
             if not self.in_call:
                 i = self.buf.find(self.p.start)
                 if i < 0:
-                    keep = _partial_suffix(self.buf, self.p.start)
+                    keep = partial_suffix(self.buf, self.p.start)
                     content += self._content(self.buf[: len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep:]
                     break
@@ -119,7 +119,7 @@ class HermesStream:
             self.buf = ""
             j = self.body.find(self.p.end)
             if j < 0:
-                deltas += self._progress(self.body[: len(self.body) - _partial_suffix(self.body, self.p.end)])
+                deltas += self._progress(self.body[: len(self.body) - partial_suffix(self.body, self.p.end)])
                 break
             self.buf = self.body[j + len(self.p.end):]
             self.body = self.body[:j]

@@ -55,7 +55,7 @@
 typedef void (*tf_cols_fn)(const void *job, int64_t n0, int64_t n1, float *y, int64_t ys);
 
 extern __thread int tf_pool_off TF_HIDDEN;   /* this thread's calls bypass the pool (a big tf_qgemm's passes) */
-/* This thread's scratch of at least `bytes`: grown, never freed (a late pool worker may still read it). */
+/* This thread's scratch of at least `bytes`, grown as needed; valid until this thread's next call. */
 TF_HIDDEN void *tf_scratch(size_t bytes);
 /* The team size for a call from outside any OpenMP region. */
 TF_HIDDEN int tf_pool_team(void);

@@ -499,7 +499,7 @@ static void tf_kint_cols(const void *job, int64_t n0, int64_t n1, float *y, int6
 static void tf_kint(float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *raw, int64_t type) {
     const int64_t nb = K / 32, np = (nb + 1) / 2;
     const size_t nxq = (size_t)(M * np * 64) * sizeof(int16_t), nf = (size_t)(M * np * 8) * sizeof(float);
-    /* this thread's scratch, never freed (tf_cols: a late worker may read it) */
+    /* this thread's scratch (tf_scratch) */
     char *buf = (char *)tf_scratch(2 * TF_UP64(nxq) + 2 * TF_UP64(nf));
     int16_t *xq = (int16_t *)buf, *xp = (int16_t *)(buf + TF_UP64(nxq));
     float *dx = (float *)(buf + 2 * TF_UP64(nxq)), *xs = (float *)(buf + 2 * TF_UP64(nxq) + TF_UP64(nf));

@@ -234,13 +234,15 @@ static void tf_pool_start(int want) {
     }
 }
 
-/* This thread's scratch of at least `bytes`: grown, never freed (a late pool worker may still read it). */
+/* This thread's scratch of at least `bytes`, grown as needed; valid until this thread's next call. (No pool
+ * worker reads a call's inputs after tf_cols returns, so the old buffer can go.) */
 void *tf_scratch(size_t bytes) {
     static __thread char *p;
     static __thread size_t have;
     if (bytes > have) {
         have = bytes > 2 * have ? bytes : 2 * have;
-        p = (char *)aligned_alloc(64, TF_UP64(have));    /* the old one is left: see above */
+        free(p);
+        p = (char *)aligned_alloc(64, TF_UP64(have));
     }
     return p;
 }

@@ -402,7 +402,7 @@ void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
     }
     const int64_t G = K / gs, nb = K / 32, bpg = gs / 32;
     const int64_t row_bytes = bits == 4 ? K / 2 : K;
-    /* the activations' copies live in this thread's scratch, never freed (tf_cols: a late pool worker may read them) */
+    /* the activations' copies live in this thread's scratch (tf_scratch) */
     const size_t nxq = (size_t)(M * K) * sizeof(int16_t), ndx = (size_t)(M * nb) * sizeof(float);
     char *buf = (char *)tf_scratch(2 * nxq + 5 * ndx + (size_t)(M * G + 1) * sizeof(float) + 4 * 64);
     int16_t *xq = (int16_t *)buf;
