@@ -245,6 +245,31 @@ def test_unknown_model_is_a_404_and_unknown_id_routes_are_404s(server):
     assert_openai_error(httpx.get(server.url + "/v1/responses/resp_nope/input_items"), 404, "response_id")
 
 
+def test_an_agents_sdk_agent_calls_its_tool_and_finishes(server, model):
+    agents = pytest.importorskip("agents", reason="openai-agents (the test extra) is not installed")
+    agents.set_tracing_disabled(True)              # no traces sent anywhere
+    cities = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        cities.append(city)
+        return f"18 degrees and sunny in {city}"
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    agent = agents.Agent(name="weather", instructions="Answer weather questions with the get_weather tool.",
+                         tools=[get_weather], model=agents.OpenAIResponsesModel(model=model, openai_client=client),
+                         # required on the first turn (a 135M model may not call on its own); the SDK
+                         # resets it to auto after the call, so the second turn answers in text
+                         model_settings=agents.ModelSettings(temperature=0, max_tokens=64, tool_choice="required",
+                                                             parallel_tool_calls=False))
+    result = agents.Runner.run_sync(agent, WEATHER_ASK, max_turns=4)
+    kinds = [type(x).__name__ for x in result.new_items]
+    assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"] and kinds[-1] == "MessageOutputItem", kinds
+    assert cities and all(isinstance(c, str) and c for c in cities)
+    assert isinstance(result.final_output, str) and result.final_output
+
+
 def test_a_stored_response_survives_a_restart_on_the_same_data_dir(server, model, whole):
     server.restart()
     client = server.client()
