@@ -8,8 +8,10 @@ One server for the module, on a data dir of its own; the last test restarts it o
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
@@ -18,10 +20,13 @@ import pytest
 from openai import OpenAI
 
 from serve_process import serve
+from tokenfab.outputs import CompletionOutput, RequestOutput
 from tokenfab.server.errors import APIError
-from tokenfab.server.responses_input import chat_messages, in_responses_terms, input_items
+from tokenfab.server.reasoning import parser_for
+from tokenfab.server.reply import Reply
+from tokenfab.server.responses_input import chat_messages, in_responses_terms, input_items, to_chat_request
 from tokenfab.server.responses_protocol import ResponsesRequest
-from tokenfab.server.responses_reply import ResponseEvents, output_items
+from tokenfab.server.responses_reply import ResponseEvents, output_items, response_events
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -345,3 +350,56 @@ def test_a_reply_with_neither_text_nor_calls_has_one_empty_message_streamed_or_n
     assert events[-1]["item"]["status"] == "incomplete" and events[-1]["item"]["content"][0]["text"] == ""
     (msg,) = output_items({"content": ""}, "length", [])
     assert msg["status"] == "incomplete" and msg["content"][0]["text"] == ""
+
+
+THINKING_TOKENS = ["<th", "ink", ">\n", "Two ", "and two", ".\n</", "think", ">\n\n", "It is ", "4."]
+
+
+def _scripted(pieces: list[str]):
+    """An engine stream whose one choice writes `pieces`, one token each (outputs are cumulative)."""
+    async def gen():
+        text = ""
+        for k, piece in enumerate(pieces):
+            text += piece
+            last = k == len(pieces) - 1
+            yield RequestOutput("r", None, [1, 2], [CompletionOutput(0, text, list(range(k + 1)),
+                                                                     "stop" if last else None)], last)
+    return gen()
+
+
+def test_a_thinking_models_stream_is_a_reasoning_item_then_a_message_and_is_stored_whole(bundled_tokenizer):
+    st = SimpleNamespace(tokenizer=bundled_tokenizer, token_text=None)
+    stored = []
+
+    async def done(response):
+        stored.append(response)
+
+    async def collect():
+        created = {"id": "resp_1", "object": "response", "status": "in_progress", "output": []}
+        return [x async for x in response_events(ResponseEvents(), st, created, _scripted(THINKING_TOKENS),
+                                                 Reply(reasoning=parser_for("qwen3")), None, {"prompt_tokens": 2},
+                                                 0.0, done)]
+    events = _events(asyncio.run(collect()))
+    reasoning = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert (reasoning, text) == ("Two and two.\n", "It is 4.")
+    (response,) = stored
+    assert events[-1] == {"type": "response.completed", "response": response, "sequence_number": len(events) - 1}
+    assert [x["type"] for x in response["output"]] == ["reasoning", "message"]
+    assert response["output"][0]["content"] == [{"type": "reasoning_text", "text": reasoning}]
+    assert response["usage"]["output_tokens"] == len(THINKING_TOKENS)
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == len(
+        bundled_tokenizer.encode(reasoning, add_special_tokens=False))
+
+
+def test_reasoning_effort_is_the_templates_thinking_switch_and_needs_a_reasoning_parser():
+    def req(**kw) -> ResponsesRequest:
+        return ResponsesRequest.model_validate({"input": "hi", **kw})
+    high = req(reasoning={"effort": "high"})
+    assert high.unsupported(reasoning=False)[0] == "reasoning.effort" and high.unsupported(reasoning=True) is None
+    items = input_items(high)
+    assert to_chat_request(high, items).chat_template_kwargs == {"enable_thinking": True}
+    off = req(reasoning={"effort": "none"})
+    assert off.unsupported() is None and to_chat_request(off, items).chat_template_kwargs == {"enable_thinking": False}
+    assert to_chat_request(req(), items).chat_template_kwargs is None
+    assert req(reasoning={"effort": "low", "summary": "auto"}).unsupported(reasoning=True)[0] == "reasoning.summary"
