@@ -403,3 +403,18 @@ def test_reasoning_effort_is_the_templates_thinking_switch_and_needs_a_reasoning
     assert off.unsupported() is None and to_chat_request(off, items).chat_template_kwargs == {"enable_thinking": False}
     assert to_chat_request(req(), items).chat_template_kwargs is None
     assert req(reasoning={"effort": "low", "summary": "auto"}).unsupported(reasoning=True)[0] == "reasoning.summary"
+
+
+def test_an_api_keys_service_classes_and_max_tokens_hold_on_the_responses_body():
+    from tokenfab.server.keys import KeyPolicy
+    from tokenfab.server.state import ServerState
+    st = SimpleNamespace(config=SimpleNamespace(batch_priority=None))
+    key = KeyPolicy("k", "batch-only", service_classes=("batch",), max_tokens=8)
+    req = ResponsesRequest.model_validate({"input": "hi", "max_output_tokens": 9})
+    with pytest.raises(APIError) as e:
+        ServerState.check_key(st, key, req)            # what ServerState.parse runs on every body
+    assert e.value.status == 403 and e.value.param == "service_tier"
+    chat_req = to_chat_request(req, input_items(req))
+    with pytest.raises(APIError) as e:
+        ServerState.check_key(st, KeyPolicy("k", "short", max_tokens=8), chat_req)
+    assert in_responses_terms(e.value).param == "max_output_tokens"

@@ -63,9 +63,9 @@ async def create_response(request: Request) -> Response:
         items = prev_items + prev["output"] + items
     chat_req = to_chat_request(req, items)
     key = request.scope.get("state", {}).get("api_key")
-    if key is not None:               # the key's limits, on the request as chat sees it
-        st.check_key(key, chat_req)
     try:
+        if key is not None:           # the key's limits, on the request as chat sees it
+            st.check_key(key, chat_req)
         p = await chat.prepare(st, chat_req)
     except APIError as e:
         raise in_responses_terms(e) from None
