@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from tokenfab.server import chat
-from tokenfab.server.errors import APIError, from_validation_errors
+from tokenfab.server.errors import APIError, from_validation_errors, renamed
 from tokenfab.server.messages_protocol import CountTokensRequest, MessagesRequest
 from tokenfab.server.messages_reply import anthropic_error_event, content_blocks, message_events, stop_reason
 from tokenfab.server.protocol import ChatCompletionRequest
@@ -123,13 +123,10 @@ _RENAMES = [(re.compile(r"tools\[(\d+)\]\.function\.parameters"), r"tools[\1].in
 
 
 def _in_anthropic_terms(e: APIError) -> APIError:
-    message, param = e.message, e.param
-    for pattern, repl in _RENAMES:
-        message = pattern.sub(repl, message)
-        param = pattern.sub(repl, param) if param else param
-    if param == "stop":
-        param = "stop_sequences"
-    return APIError(e.status, message, param=param, code=e.code, type=e.type, headers=e.headers)
+    e = renamed(e, _RENAMES)
+    if e.param == "stop":
+        e.param = "stop_sequences"
+    return e
 
 
 # -- the request: Messages -> chat ---------------------------------------------------------------
