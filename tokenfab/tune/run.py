@@ -96,7 +96,8 @@ def tune_command(args) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = Results(out_dir / "results.jsonl", {"model": model, "workload": list(workload.flags)})
-    err, out = Console(stderr=True), Console() if sys.stdout.isatty() else Console(width=200)
+    err = Console(stderr=True, soft_wrap=True)      # messages stay one line each, whatever the width
+    out = Console() if sys.stdout.isatty() else Console(width=200)
     err.print(f"tune: {len(points)} points; workload: {' '.join(workload.flags)}; budget {args.budget:g} s"
               + (f"; resuming {results.resumed} measured points from {results.path}" if results.resumed else ""))
     tuner = Tuner(model, is_gguf, points if base in points else [base, *points], base, targets, workload, out_dir,
