@@ -275,8 +275,7 @@ def _gguf_rope_scaling(reader, field, arch: str, cfg: ModelConfig, path: str) ->
 
 # Run as shipped with quantization="gguf" (tokenfab/quant: Q5_0 widened into Q8_0's form, K-quants as stored).
 _NATIVE_GGUF_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-# Read (dequantized with the gguf package) for quantization="none"; anything else is refused by name. MXFP4
-# (gpt-oss's experts) has no kernel here: it is always dequantized, with a warning naming the cost.
+# Read (dequantized by the gguf package) for quantization="none", and MXFP4 (gpt-oss's experts, no kernel) always.
 READABLE_GGUF_TYPES = ("F32", "F16", "BF16", "Q5_1", "MXFP4") + _NATIVE_GGUF_TYPES
 
 
@@ -305,8 +304,8 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
                                  f"truncated or corrupt ({t.data.nbytes} of its "
                                  f"{int(t.n_elements) // block * block_bytes} bytes are there)")
         if stacked is not None:     # each expert's slice alone: a float read dequantizes one expert, not the stack
-            for hf, e, rows in expert_tensors.expert_slices(t.data.shape[0], *stacked, cfg.moe_intermediate_size,
-                                                            t.name.rpartition(".")[2]):
+            kind = t.name.rpartition(".")[2]        # weight or bias
+            for hf, e, rows in expert_tensors.expert_slices(t.data.shape[0], *stacked, cfg.moe_intermediate_size, kind):
                 weights.defer(hf, lambda t=t, hf=hf, part=(e, rows): _gguf_float(t, hf, 0, cfg, path, part))
                 if qtype.name in _NATIVE_GGUF_TYPES:
                     raw[hf] = (qtype.name, t.data[e][rows])
@@ -326,8 +325,7 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
 
 def _gguf_float(t, hf: str, heads: int, cfg: ModelConfig, path: str,
                 part: tuple[int, slice] | None = None) -> torch.Tensor:
-    """One GGUF tensor as float32, in HF's row order and norm convention (`part`: one expert's rows of a
-    stacked tensor)."""
+    """One GGUF tensor as float32, in HF's row order and norm convention (`part`: one expert's stacked rows)."""
     import gguf
 
     try:

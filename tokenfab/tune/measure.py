@@ -10,61 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
+from tokenfab.bench import local_server
+
+
 _COUNTERS: dict = {}
-
-
-class ServerError(RuntimeError):
-    """The server for a point did not come up; the message carries the end of its log."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
 def serving(model: str | None, flags: list[str], log_path: str | Path, step_log: str | Path | None = None,
             timeout_s: float = 300.0):
-    """`tokenfab serve` in a subprocess on a free loopback port; yields its base URL once healthy."""
-    import httpx
-    port = _free_port()
-    cmd = [sys.executable, "-m", "tokenfab", "serve", *([model] if model else []), "--host", "127.0.0.1",
-           "--port", str(port), "--no-access-log", "--no-ui", *flags,
-           *(["--step-log", str(step_log)] if step_log else [])]
-    with open(log_path, "w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    tail = log.read()[-1500:].strip()
-                    raise ServerError(f"tokenfab serve {' '.join(flags)} exited with {proc.returncode}: {tail}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise ServerError(f"tokenfab serve {' '.join(flags)} was not healthy after {timeout_s:.0f} s")
-                time.sleep(0.2)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    """`tokenfab serve` for one point (bench/local_server.py), with its step log; yields its base URL."""
+    with local_server.serving([*([model] if model else []), "--no-ui", *flags,
+                               *(["--step-log", str(step_log)] if step_log else [])], log_path, timeout_s) as url:
+        yield url
 
 
 def _counter(tokenizer: str | None):

@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenfab.tune.measure import ServerError, bench_once, compact_run, run_metrics, serving
+from tokenfab.bench.local_server import ServerError
+from tokenfab.tune.measure import bench_once, compact_run, run_metrics, serving
 from tokenfab.tune.predict import predict
 from tokenfab.tune.quality import measure_quality
 from tokenfab.tune.results import Results
