@@ -14,7 +14,7 @@ import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -179,7 +179,18 @@ def from_validation_errors(errors: list[dict]) -> APIError:
     return APIError(400, f"{where}{msg}{shown}", param=param, code="invalid_value")
 
 
+class ClientGone(Exception):
+    """The client disconnected before its whole (not streamed) response was ready; its requests are aborted."""
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone) -> Response:
+        access = getattr(request.state, "access", None)
+        if access is not None:
+            access["outcome"] = "client_disconnected"
+        return Response(status_code=499)     # nginx's "client closed request": nobody reads it
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response(request.url.path)

@@ -36,7 +36,7 @@ from tokenfab.server.responses_input import in_responses_terms, input_items, new
 from tokenfab.server.responses_protocol import ResponsesRequest
 from tokenfab.server.responses_reply import (ResponseEvents, count_tokens, finished, output_items, response_events,
                                              usage)
-from tokenfab.server.state import ClientGone, ServerState
+from tokenfab.server.state import ServerState
 from tokenfab.server.streaming import framed, sse_response
 
 router = APIRouter()
@@ -84,11 +84,7 @@ async def create_response(request: Request) -> Response:
         ev = ResponseEvents()
         events = response_events(ev, st, created, stream, p.reply, p.top_n, access, arrival, done)
         return sse_response(framed(events, [stream], access, error_event=ev.error, done=None), rid)
-    try:
-        (final,) = await st.collect(request, [stream])
-    except ClientGone:
-        access["outcome"] = "client_disconnected"
-        return Response(status_code=499)
+    (final,) = await st.collect(request, [stream])
     (o,) = final.outputs
     message, finish_reason = p.reply.message(o.text, o.finish_reason)
     lps = chat_logprobs(st.token_text, o.token_ids, o.logprobs or [], p.top_n)["content"] if p.top_n is not None else []

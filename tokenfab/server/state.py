@@ -23,15 +23,11 @@ from tokenfab.engine.streams import RequestStream
 from tokenfab.outputs import RequestOutput
 from tokenfab.sampling import SamplingParams
 from tokenfab.server.config import ServerConfig
-from tokenfab.server.errors import APIError, from_validation_errors, parse_json_object
+from tokenfab.server.errors import APIError, ClientGone, from_validation_errors, parse_json_object
 from tokenfab.server.logprobs import TokenText
 from tokenfab.server.metrics import ServerMetrics
 
 log = logging.getLogger("tokenfab.server")
-
-
-class ClientGone(Exception):
-    """The client disconnected before its response was ready."""
 
 
 @dataclass
