@@ -1,4 +1,4 @@
-/* TSC cycles per super-block of tf_kint's one-row (and four-row) K-quant row kernels, one thread, weights held
+/* TSC cycles per super-block of tf_kint's and tf_kint8's one-row (and four-row) K-quant row kernels, one thread, weights held
  * in cache: the kernels' instruction cost alone, without memory or thread-pool effects, for comparing builds
  * of tokenfab/kernels/csrc/kquant.c on a noisy machine (alternate the builds; compare Q6_K against Q4_K).
  *
@@ -19,6 +19,16 @@ ROW_FN(q6k_1, tf_q6k_row, 1)
 ROW_FN(q6k_4, tf_q6k_row, 4)
 ROW_FN(q4k_1, tf_q4k_row, 1)
 ROW_FN(q4k_4, tf_q4k_row, 4)
+/* tf_kint8's rows (int8 activation blocks of 256), on the same buffers read as their int8 / int16 inputs */
+#define ROW8_FN(NAME, FN, M, XS_T)                                                                             \
+    __attribute__((noinline)) static void NAME(float *out, const int16_t *xp, const float *dx, const float *xs, \
+                                               int64_t K, const uint8_t *row) {                                \
+        FN(M, out, (const int8_t *)xp, dx, (const XS_T *)xs, K, row);                                          \
+    }
+ROW8_FN(q4k8_1, tf_q4k8_row, 1, float)
+ROW8_FN(q6k8_1, tf_q6k8_row, 1, int16_t)
+ROW8_FN(q4k8_4, tf_q4k8_row, 4, float)
+ROW8_FN(q6k8_4, tf_q6k8_row, 4, int16_t)
 
 typedef void (*row_fn)(float *, const int16_t *, const float *, const float *, int64_t, const uint8_t *);
 
@@ -37,7 +47,9 @@ int main(void) {
     for (int64_t i = 0; i < 8 * K / 32; i++) dx[i] = 1e-4f, xs[i] = 0.5f;
     const struct { const char *name; row_fn fn; const uint8_t *w; int64_t bytes; } cases[] = {
         {"Q6_K, 1 row ", q6k_1, w6, 210}, {"Q4_K, 1 row ", q4k_1, w4, 144},
-        {"Q6_K, 4 rows", q6k_4, w6, 210}, {"Q4_K, 4 rows", q4k_4, w4, 144}};
+        {"Q6_K, 4 rows", q6k_4, w6, 210}, {"Q4_K, 4 rows", q4k_4, w4, 144},
+        {"Q6_K int8, 1 row ", q6k8_1, w6, 210}, {"Q4_K int8, 1 row ", q4k8_1, w4, 144},
+        {"Q6_K int8, 4 rows", q6k8_4, w6, 210}, {"Q4_K int8, 4 rows", q4k8_4, w4, 144}};
     float out[8], sink = 0.f;
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         uint64_t best = ~0ull;

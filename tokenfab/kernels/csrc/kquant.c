@@ -174,6 +174,16 @@ static void tf_kint_prep(const float *x, int64_t K, int16_t *xq, float *dx, int1
     }
 }
 
+#ifndef TF_KPF
+#define TF_KPF 1024
+#endif
+/* a super-block's bytes TF_KPF ahead of the one being read: rows are contiguous, so this streams through
+ * the next rows at an even pace (the whole row 4 rows ahead at once, as the other kernels do, leaves the
+ * long rows of K = 8192 waiting on memory) */
+static inline void tf_kprefetch(const uint8_t *blk, int bytes) {
+    for (int l = 0; l < bytes; l += 64) __builtin_prefetch(blk + TF_KPF + l, 0, 3);
+}
+
 static inline __attribute__((always_inline)) void tf_q4k_row(const int M, float *out, const int16_t *xp,
                                                             const float *dx, const float *xs, int64_t K,
                                                             const uint8_t *row) {
@@ -184,6 +194,7 @@ static inline __attribute__((always_inline)) void tf_q4k_row(const int M, float 
     for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *blk = row + s * 144;
+        tf_kprefetch(blk, 144);
         uint64_t sc, mn;
         tf_scale_min_k4_u64(blk + 4, &sc, &mn);
         const __m256 scv = _mm256_mul_ps(_mm256_set1_ps(tf_f16(blk)),
@@ -226,6 +237,7 @@ static inline __attribute__((always_inline)) void tf_q6k_row(const int M, float 
     for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *blk = row + s * 210;
+        tf_kprefetch(blk, 210);
         /* the 16 scales d * sc as two vectors, once per super-block (a scalar convert, multiply and broadcast
          * per run of 32 made a one-row call 1.5x slower), and both halves unrolled: run j of half h takes
          * sub-blocks h * 8 + 2j and + 1 into lanes 0-3 and 4-7 by one permute */
@@ -360,6 +372,7 @@ static inline __attribute__((always_inline)) void tf_q4k8_row(const int M, float
     for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *blk = row + s * 144;
+        tf_kprefetch(blk, 144);
         uint64_t sc, mn;
         tf_scale_min_k4_u64(blk + 4, &sc, &mn);
         const __m256 d = _mm256_set1_ps(tf_f16(blk));
@@ -394,6 +407,7 @@ static inline __attribute__((always_inline)) void tf_q6k8_row(const int M, float
     for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *blk = row + s * 210;
+        tf_kprefetch(blk, 210);
         const __m256 d = _mm256_set1_ps(tf_f16(blk + 208));
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
         __m256i isum[TF_MAX_ROWS];
@@ -437,7 +451,6 @@ static void tf_kint8_cols(const void *job, int64_t n0, int64_t n1, float *y, int
     const int64_t M = J->M, row_bytes = J->K / 256 * tf_kquant_block_bytes(J->type);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = J->raw + n * row_bytes;
-        for (int64_t l = 0; l < row_bytes; l += 64) __builtin_prefetch(row + 4 * row_bytes + l, 0, 3);
         float out[TF_MAX_ROWS];
         if (J->type == TF_Q4_K) {
             TF_ROWS_SWITCH(tf_q4k8_row, out, J->xq, J->dx, J->xs, J->K, row)
@@ -476,8 +489,9 @@ static void tf_kint_cols(const void *job, int64_t n0, int64_t n1, float *y, int6
     const int64_t M = J->M, row_bytes = J->type == TF_Q4_0 ? J->K / 32 * 18 : J->K / 256 * tf_kquant_block_bytes(J->type);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = J->raw + n * row_bytes;
-        /* 4 rows ahead, as tf_qgemm_cols: short rows do not keep the hardware prefetchers ahead */
-        for (int64_t l = 0; l < row_bytes; l += 64) __builtin_prefetch(row + 4 * row_bytes + l, 0, 3);
+        /* Q4_0: 4 rows ahead, as tf_qgemm_cols (the K-quant rows prefetch as they go, tf_kprefetch) */
+        if (J->type == TF_Q4_0)
+            for (int64_t l = 0; l < row_bytes; l += 64) __builtin_prefetch(row + 4 * row_bytes + l, 0, 3);
         float out[TF_MAX_ROWS];
         if (J->type == TF_Q4_K) {
             TF_ROWS_SWITCH(tf_q4k_row, out, J->xp, J->dx, J->xs, J->K, row)
