@@ -1,0 +1,110 @@
+"""The server a fault drill hurts: `tokenfab serve` as a child process that the drills signal, kill and
+start again on the same port and data dir.
+
+The drills need the process itself (SIGTERM, SIGKILL, a restart on the same --data-dir, /proc for its
+memory and descriptors), so `tokenfab bench drills` starts its own server instead of taking a URL.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def raise_fd_limit(want: int) -> int:
+    """Raise this process's soft descriptor limit towards `want` (children inherit it); the new limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if target > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+class ServeProcess:
+    """`tokenfab serve FLAGS` on 127.0.0.1:`port` (a free one by default), its output appended to `log_path`."""
+
+    def __init__(self, flags: list[str], log_path: str | os.PathLike, port: int | None = None) -> None:
+        self.flags = list(flags)
+        self.log_path = Path(log_path)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def launch(self) -> None:
+        """Start the process without waiting for it (a restart's clock starts here)."""
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tokenfab", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--no-access-log", "--no-ui", *self.flags], stdout=log, stderr=subprocess.STDOUT)
+
+    def log_tail(self, chars: int = 2000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-chars:]
+        return ""
+
+    async def wait_healthy(self, timeout_s: float = 300.0) -> float:
+        """Seconds until /health answers 200; RuntimeError (with the log's tail) if the process exits first."""
+        t0 = time.perf_counter()
+        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as c:
+            while True:
+                if not self.alive:
+                    raise RuntimeError(f"tokenfab serve exited with {self.proc.returncode if self.proc else None}: "
+                                       f"{self.log_tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await c.get(f"{self.url}/health")).status_code == 200:
+                        return time.perf_counter() - t0
+                if time.perf_counter() - t0 > timeout_s:
+                    raise RuntimeError(f"tokenfab serve did not answer /health within {timeout_s:.0f} s")
+                await asyncio.sleep(0.1)
+
+    async def start(self, timeout_s: float = 300.0) -> float:
+        self.launch()
+        return await self.wait_healthy(timeout_s)
+
+    def send(self, sig: int) -> None:
+        if self.alive:
+            self.proc.send_signal(sig)
+
+    async def wait_exit(self, timeout_s: float) -> int | None:
+        """The exit status, or None if it still runs after `timeout_s`."""
+        deadline = time.perf_counter() + timeout_s
+        while self.proc is not None and self.proc.poll() is None:
+            if time.perf_counter() > deadline:
+                return None
+            await asyncio.sleep(0.05)
+        return self.proc.returncode if self.proc is not None else None
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM, then SIGKILL if it has not drained within `timeout_s`."""
+        if not self.alive:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
