@@ -6,7 +6,7 @@ server that hosts it.
 `run_lines` is shared by the server's Batch API (service.py) and the offline runner (offline.py). A
 line's result is committed the moment it finishes; lines that already have one are skipped, which is
 how a restarted batch resumes. A 429 (the engine's queue is full) is retried after a pause: it says
-"not now", not "this line is wrong". A 503 (the engine died or the server is draining) stops the run
+"not now", not "this line is wrong"; so is a 503 `replica_lost` (the Ray replica running it died). A 503 (the engine died or the server is draining) stops the run
 without recording anything, so the line runs again after a restart.
 
 A commit that finds the data dir's disk full (store.DiskFull) is retried every `disk_retry_s` seconds
@@ -89,9 +89,14 @@ async def _worker(call: RouteCall, todo, sink: ResultSink, slots: asyncio.Semaph
 async def _run_one(call: RouteCall, ln: BatchLine) -> tuple[int, str | None, dict]:
     while True:
         status, rid, body = await call(ln.url, ln.body)
-        if status == 429:
-            await asyncio.sleep(RETRY_AFTER_S)
+        if status == 429 or (status == 503 and _code(body) == "replica_lost"):
+            await asyncio.sleep(RETRY_AFTER_S)      # not now / the replica under it died: the line is fine
             continue
         if status == 503:
             raise EngineUnavailable(body.get("error", {}).get("message", "the engine is unavailable"))
         return status, rid, body
+
+
+def _code(body: dict) -> str | None:
+    err = body.get("error") if isinstance(body, dict) else None
+    return err.get("code") if isinstance(err, dict) else None

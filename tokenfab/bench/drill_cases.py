@@ -603,6 +603,14 @@ DRILLS = {
 }
 
 
+def _ray_replica(ctx: DrillContext):
+    from tokenfab.bench.drill_ray import ray_replica      # its own module: the one drill that needs Ray
+    return ray_replica(ctx)
+
+
+DRILLS["ray_replica"] = ("a Ray Serve replica killed", _ray_replica)
+
+
 async def run_drill(ctx: DrillContext, name: str) -> DrillResult:
     """One drill by name (drill_cases.DRILLS), with its own client on the running loop."""
     t0 = time.perf_counter()
