@@ -2,8 +2,8 @@
 themselves against `tokenfab serve` on the bundled model.
 
 The default run keeps the quick drills (hang-ups, 1,000 idle connections, SIGTERM, and a corrupt
-database through the CLI); slow readers, SIGKILL with a batch in flight and the full disk are slow
-tests (`make test-all`). A drill that fails shows its table row and every check it made.
+database through the CLI); slow readers, SIGKILL with a batch in flight, the full disk and a killed Ray
+Serve replica are slow tests (`make test-all`). A drill that fails shows its table row and every check it made.
 """
 from __future__ import annotations
 
@@ -150,3 +150,10 @@ def test_sigkill_mid_batch_then_restart_answers_every_line_once(ctx):
 @pytest.mark.slow
 def test_a_full_data_dir_disk_is_a_clear_error_and_the_batch_resumes_with_space(ctx):
     drill(ctx, "enospc")
+
+
+@pytest.mark.slow
+def test_a_killed_ray_serve_replica_loses_no_request_and_is_replaced(ctx):
+    pytest.importorskip("ray", reason="Ray Serve is the optional extra tokenfab[ray]")
+    r = drill(ctx, "ray_replica")
+    assert r.recovery_s is not None and r.kv_idle_blocks == 0

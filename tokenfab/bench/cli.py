@@ -177,7 +177,8 @@ def _soak_command(args) -> int:
 def _drills_parser(subs) -> None:
     # The names and defaults are drill_cases.DRILLS' and drills.DrillConfig's, written out so that registering
     # the parser imports neither; tests/test_drills.py holds them equal.
-    names = ["disconnect", "slow_readers", "idle_connections", "sigterm", "sigkill", "enospc", "corrupt_sqlite"]
+    names = ["disconnect", "slow_readers", "idle_connections", "sigterm", "sigkill", "enospc", "corrupt_sqlite",
+             "ray_replica"]
     p = subs.add_parser("drills", help="fault drills under load against a tokenfab serve it starts (exit 1 if one fails)",
                         formatter_class=_DefaultsFormatter,
                         description="Start `tokenfab serve` on the bundled model (or --serve-flags' model), run the "

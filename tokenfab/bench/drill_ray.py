@@ -20,6 +20,7 @@ from tokenfab.bench.drill_load import outcome
 from tokenfab.bench.drills import DrillContext, DrillResult
 
 _REPLICA_LABEL = re.compile(r'^tokenfab:replica_num_requests_running\{[^}]*replica="([^"]+)"', re.M)
+_RETRIES = re.compile(r'^tokenfab:router_retries_total\{[^}]*\} ([0-9.e+]+)', re.M)
 
 
 def _parent(pid: int) -> int | None:
@@ -53,9 +54,12 @@ def replica_pids(root: int) -> list[int]:
     return sorted(found)
 
 
-async def _replicas(ctx: DrillContext) -> set[str]:
+async def _replicas(ctx: DrillContext) -> tuple[set[str], int]:
+    """The replicas /metrics has series for, and the requests the ingress re-sent to another replica."""
     r = await ctx.client.get(f"{ctx.server.url}/metrics")
-    return set(_REPLICA_LABEL.findall(r.text)) if r.status_code == 200 else set()
+    if r.status_code != 200:
+        return set(), 0
+    return set(_REPLICA_LABEL.findall(r.text)), int(sum(float(x) for x in _RETRIES.findall(r.text)))
 
 
 async def ray_replica(ctx: DrillContext) -> DrillResult:
@@ -67,7 +71,7 @@ async def ray_replica(ctx: DrillContext) -> DrillResult:
     try:
         await server.start(600.0)
         await ctx.use(server)
-        before = await _replicas(ctx)
+        before, retries0 = await _replicas(ctx)
         pids = replica_pids(server.pid)
         result.check("two replicas, each a process under the server", len(before) == 2 and len(pids) == 2,
                      f"replicas {sorted(before)}, processes {pids}")
@@ -79,7 +83,7 @@ async def ray_replica(ctx: DrillContext) -> DrillResult:
             os.kill(pids[0], signal.SIGKILL)
             back = None
             while time.perf_counter() - t_kill < 240:
-                now = await _replicas(ctx)
+                now, _ = await _replicas(ctx)
                 if len(now) == 2 and now != before:
                     back = now
                     break
@@ -88,8 +92,10 @@ async def ray_replica(ctx: DrillContext) -> DrillResult:
             t_back = time.perf_counter()
             await asyncio.sleep(ctx.cfg.load_s / 2)
         load.tally(into=result.tally)
+        after, retries = await _replicas(ctx)
         result.check("Ray Serve replaced the killed replica", back is not None,
-                     f"{sorted(before)} → {sorted(back or await _replicas(ctx))} in {result.recovery_s:.1f} s")
+                     f"{sorted(before)} → {sorted(back or after)} in {result.recovery_s:.1f} s; {retries - retries0} "
+                     f"requests re-sent to the other replica, {result.tally['failed']} ended with a clear error")
         result.check("the load was served after the replacement",
                      any(raw.sent > t_back and outcome(raw) == "completed" for _, raw in load.results))
         result.kv_idle_blocks = await ctx.idle_kv()

@@ -2,8 +2,9 @@
 runs against it, each judged on what happened to every request (drill_load.py's ledger), on the KV
 blocks left held once idle, and on how long the server took to recover by itself.
 
-The drills themselves, their registry and the runner are in drill_cases.py; this module holds what they
-share: the settings, the context (the shared server, a client, the workload), the result row, the tables.
+The drills themselves, their registry and the runner are in drill_cases.py (with drill_data.py for the
+data dir's drills and drill_ray.py for Ray Serve's); this module holds what they share: the settings, the
+context (the shared server, a client, the workload), the result row, the tables.
 
 A drill passes when every check it makes holds, no request is lost or answered twice, and no KV block
 is held once the server is idle (docs/bench.md, "bench drills").
@@ -179,6 +180,18 @@ class DrillContext:
 
 
 Drill = Callable[[DrillContext], Awaitable[DrillResult]]
+MIB = 1 << 20
+
+
+async def poll(predicate, timeout_s: float, every_s: float = 0.05):
+    """Await `predicate()` (an async callable) until it returns something truthy; None on timeout."""
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        value = await predicate()
+        if value or time.perf_counter() > deadline:
+            return value or None
+        await asyncio.sleep(every_s)
+
 
 
 def new_drill_client(cfg: DrillConfig) -> httpx.AsyncClient:
