@@ -194,7 +194,7 @@ def _drills_parser(subs) -> None:
     p.add_argument("--idle-connections", type=int, default=1000, help="idle TCP connections the idle_connections drill opens")
     p.add_argument("--slow-readers", type=int, default=4, help="streams the slow_readers drill reads slowly")
     p.add_argument("--batch-lines", type=int, default=8, help="lines of the Batch API job the sigkill and enospc drills run")
-    p.add_argument("--serve-flags", default="", help="more `tokenfab serve` flags, one string (e.g. \"--model M.gguf\")")
+    p.add_argument("--serve-flags", help="more `tokenfab serve` flags, one string (e.g. \"--model M.gguf\")")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--markdown", help="write the table (and each drill's checks) as Markdown here")

@@ -27,7 +27,7 @@ def drills_config(args: argparse.Namespace, workdir: Path):
         raise ValueError("--slow-readers and --batch-lines need at least 1")
     cfg = DrillConfig(workdir=workdir, concurrency=args.concurrency, load_s=args.load_seconds,
                       idle_connections=args.idle_connections, slow_readers=args.slow_readers,
-                      batch_lines=args.batch_lines, seed=args.seed, extra_serve_flags=shlex.split(args.serve_flags))
+                      batch_lines=args.batch_lines, seed=args.seed, extra_serve_flags=shlex.split(args.serve_flags or ""))
     cfg.validate()
     return cfg
 
