@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 
 import httpx
@@ -47,6 +48,7 @@ def server(bundled_llm, refs, tmp_path_factory):
                           batch_max_file_bytes=4096, batch_max_total_bytes=16384, batch_concurrency=2)
     app = build_app(bundled_llm.engine, config)
     with ServerThread(app) as srv:
+        srv.app = app
         yield srv
     assert bundled_llm.engine.block_manager.num_used_blocks() == 0
 
@@ -178,3 +180,25 @@ def test_upload_limits_and_bad_requests_are_4xx_with_openai_errors(server, clien
         client.files.retrieve(ids[0])
 
 
+
+
+def test_an_upload_to_a_full_disk_is_a_507_with_an_openai_error_and_stores_nothing(server, client):
+    store = server.app.state.batches.store
+    before = [f.id for f in client.files.list().data]
+    store._q(f"PRAGMA max_page_count = {store._q('PRAGMA page_count')[0][0]}")    # full at its size
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            for _ in range(200):         # small rows fit in the pages there are, until they do not
+                r = http.post("/v1/files", files={"file": ("a.jsonl", b"{}\n")}, data={"purpose": "batch"})
+                if r.status_code != 200:
+                    break
+    finally:
+        store._q("PRAGMA max_page_count = 1073741823")
+    assert r.status_code == 507, r.text
+    err = r.json()["error"]
+    assert err["code"] == "insufficient_storage" and "is full" in err["message"]
+    stored = [f.id for f in client.files.list().data]
+    assert sorted(os.listdir(store.files_dir)) == sorted(stored)      # no bytes without a row
+    for fid in set(stored) - set(before):
+        client.files.delete(fid)
+    assert upload(client, [completion_line("a", "Hi")]).bytes > 0

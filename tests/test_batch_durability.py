@@ -168,3 +168,41 @@ def test_serve_refuses_a_data_dir_that_is_a_file_with_one_line(tmp_path):
                           "--data-dir", str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and f"tokenfab serve: error: --data-dir {path}:" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_line_whose_replica_died_runs_again_and_a_dead_engine_pauses_the_batch():
+    import asyncio
+
+    from tokenfab.batch import runner
+    from tokenfab.batch.lines import parse_lines
+
+    lines, _ = parse_lines(b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n')
+    replies = [(503, None, {"error": {"code": "replica_lost", "message": "replica r1 failed"}}),
+               (200, "cmpl-1", {"choices": [{"text": "ok"}]})]
+
+    class Sink:
+        def __init__(self) -> None:
+            self.got: dict = {}
+
+        def done_lines(self):
+            return set(self.got)
+
+        def add(self, line, record, is_error):
+            self.got[line] = (record, is_error)
+
+    async def call(url, body):
+        return replies.pop(0)
+
+    def run(sink) -> None:
+        asyncio.run(runner.run_lines(call, lines, sink, asyncio.Semaphore(1), 1))
+
+    runner.RETRY_AFTER_S, saved = 0.0, runner.RETRY_AFTER_S
+    try:
+        sink = Sink()
+        run(sink)
+        assert not replies and [(n, bad) for n, (_, bad) in sink.got.items()] == [(lines[0].line, False)]
+        replies[:] = [(503, None, {"error": {"code": "engine_dead", "message": "the engine is dead"}})]
+        with pytest.raises(runner.EngineUnavailable):
+            run(Sink())                                          # paused, nothing recorded: runs after a restart
+    finally:
+        runner.RETRY_AFTER_S = saved

@@ -107,6 +107,16 @@ except Loading:
     assert "ray imported: False" in out.stdout, (out.stdout, out.stderr[-2000:])
 
 
+def test_a_replica_that_dies_mid_request_is_replica_lost_and_before_its_text_engine_dead():
+    from ray.exceptions import RayActorError
+
+    from tokenfab.engine.client import EngineDeadError, ReplicaLost
+    from tokenfab.serve_ray.pool import _as_engine_error
+
+    assert isinstance(_as_engine_error(RayActorError(), "r1", started=True), ReplicaLost)   # 503, Retry-After
+    assert isinstance(_as_engine_error(RayActorError(), "r1", started=False), EngineDeadError)
+
+
 def test_prefix_affinity_is_stable_and_bounded_by_load():
     loads = [routing.ReplicaLoad("a"), routing.ReplicaLoad("b"), routing.ReplicaLoad("c")]
     key = routing.prefix_key(list(range(100)), 16)

@@ -365,3 +365,14 @@ def test_small_steps_run_on_small_batch_threads_and_big_ones_on_all(bundled_file
     assert [t for n, tok, t in seen if n == 1 and tok == 32] == [full]
     assert any(t == full for n, tok, t in seen if n > SMALL_BATCH)
     assert torch.get_num_threads() == full          # the caller's setting is untouched
+
+
+def test_a_replica_lost_under_a_request_is_a_503_to_retry_and_an_engine_failure_a_500():
+    from tokenfab.engine.client import EngineDeadError, ReplicaLost, RequestFailed
+    from tokenfab.server.state import engine_error
+
+    lost = engine_error(ReplicaLost("replica r1 failed while streaming this request"))
+    assert (lost.status, lost.code, lost.headers) == (503, "replica_lost", {"Retry-After": "1"})
+    assert "replica r1" in lost.message
+    assert engine_error(RequestFailed("boom")).status == 500
+    assert engine_error(EngineDeadError("gone")).status == 503

@@ -8,6 +8,9 @@ On start-up every batch left in validating, in_progress, finalizing or cancellin
 its committed results: only lines without one run again. Finalizing writes the output file (2xx
 responses) and the error file (line errors and non-2xx responses), each in input order, and only
 when it would not be empty.
+
+A full disk under the data dir pauses a batch instead of failing it: every write it makes waits for
+space and is retried (runner.until_space), and the batch carries on where it stood once space returns.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import asyncio
 import logging
 
 from tokenfab.batch.lines import error_line, parse_lines
-from tokenfab.batch.runner import EngineUnavailable, RouteCall, run_lines
+from tokenfab.batch.runner import DISK_RETRY_S, EngineUnavailable, RouteCall, run_lines, until_space
 from tokenfab.batch.store import BatchStore
 
 log = logging.getLogger("tokenfab.batch")
@@ -73,15 +76,17 @@ class BatchService:
     # -- one batch -------------------------------------------------------------------------------
     async def _run(self, batch_id: str) -> None:
         try:
+            what = f"batch {batch_id}"
             obj = self.store.get_batch(batch_id)
             if obj["status"] == "validating":
-                obj = self._validate(obj)
+                obj = await until_space(self._validate, obj, retry_s=DISK_RETRY_S, what=what)
             if obj["status"] == "in_progress":
                 lines, _ = parse_lines(self.store.file_content(obj["input_file_id"]), obj["endpoint"])
-                await run_lines(self.call, lines, _StoreSink(self.store, batch_id), self.slots, self.concurrency)
-                obj = self.store.update_batch(batch_id, status="finalizing")
+                await run_lines(self.call, lines, _StoreSink(self.store, batch_id), self.slots, self.concurrency,
+                                disk_retry_s=DISK_RETRY_S)
+                obj = await until_space(self.store.update_batch, batch_id, status="finalizing", retry_s=DISK_RETRY_S, what=what)
             if obj["status"] in ("finalizing", "cancelling"):
-                self._finalize(obj)
+                await until_space(self._finalize, obj, retry_s=DISK_RETRY_S, what=what)
         except asyncio.CancelledError:
             if self.store.get_batch(batch_id)["status"] == "cancelling":
                 self._finalize(self.store.get_batch(batch_id))

@@ -12,9 +12,16 @@ killed process. Objects come back as the dicts OpenAI's API returns (`file`, `ba
 A `batch.sqlite` that is not SQLite (corrupt, or some other file), or SQLite whose tables are not these
 (another program's database), is refused when the store opens, with a StoreOpenError naming the file:
 the server must not start on it, and must not write into it.
+
+A full disk under the data dir (ENOSPC, a quota, SQLite's "database or disk is full") raises DiskFull,
+a StoreError with status 507: the write it stopped left nothing behind (a file's bytes are written to a
+temporary name first, and SQLite rolls the statement back), so the same write succeeds once space
+returns. The server's batch runner waits and retries (runner.py's `until_space`).
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import sqlite3
@@ -49,6 +56,17 @@ class StoreError(ValueError):
     def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.param = status, code, param
+
+
+class DiskFull(StoreError):
+    """The data dir's disk is full: nothing was written, and the same write succeeds once space returns."""
+
+    def __init__(self, data_dir: Path) -> None:
+        super().__init__(507, f"the disk under the data dir {data_dir} is full: nothing was stored; free space "
+                              "there (or delete files with DELETE /v1/files/{id}) and retry", "insufficient_storage")
+
+
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 
 # The columns of each table, in order, as _SCHEMA creates them: what an existing file must hold.
@@ -107,8 +125,22 @@ class BatchStore:
         with self._lock:
             self._db.close()
 
+    @contextlib.contextmanager
+    def _space(self):
+        """A full disk, as SQLite or the OS reports it, becomes DiskFull."""
+        try:
+            yield
+        except sqlite3.OperationalError as e:
+            if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+                raise DiskFull(self.dir) from None
+            raise
+        except OSError as e:
+            if e.errno in _FULL_ERRNOS:
+                raise DiskFull(self.dir) from None
+            raise
+
     def _q(self, sql: str, args: tuple = ()) -> list[tuple]:
-        with self._lock:
+        with self._lock, self._space():
             return self._db.execute(sql, args).fetchall()
 
     # -- files ---------------------------------------------------------------------------------
@@ -126,13 +158,21 @@ class BatchStore:
         file_id = file_id or f"file-{uuid.uuid4().hex}"
         path = self.files_dir / file_id
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:         # written and synced before its row exists: no row without bytes
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with self._space(), open(tmp, "wb") as f:   # written and synced before its row exists: no row without bytes
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except DiskFull:
+            tmp.unlink(missing_ok=True)    # what fitted of it would only take the space back
+            raise
         os.replace(tmp, path)
-        self._q("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?)",
-                (file_id, filename, purpose, len(data), int(time.time())))
+        try:
+            self._q("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?)",
+                    (file_id, filename, purpose, len(data), int(time.time())))
+        except DiskFull:
+            path.unlink(missing_ok=True)   # bytes without a row: nobody could read or delete them
+            raise
         return self.get_file(file_id)
 
     def get_file(self, file_id: str) -> dict:
@@ -210,7 +250,7 @@ class BatchStore:
     # -- per-line results ----------------------------------------------------------------------
     def add_result(self, batch_id: str, line: int, record: dict, is_error: bool) -> bool:
         """Commit one line's result; False (and nothing changes) when that line already has one."""
-        with self._lock:
+        with self._lock, self._space():
             cur = self._db.execute("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?)",
                                    (batch_id, line, int(is_error), json.dumps(record)))
             return cur.rowcount == 1

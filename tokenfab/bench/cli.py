@@ -1,5 +1,5 @@
-"""`tokenfab bench serve | soak | compare | offline`: the argument parsers and their handlers
-(`bench soak`'s handler is soak_cli.py).
+"""`tokenfab bench serve | soak | drills | compare | offline`: the argument parsers and their handlers
+(`bench soak`'s handler is soak_cli.py, `bench drills`'s drills_cli.py).
 
 Registering the parsers imports nothing heavy; each handler imports what it needs.
 """
@@ -26,6 +26,7 @@ def add_parser(subparsers) -> None:
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     _serve_parser(subs)
     _soak_parser(subs)
+    _drills_parser(subs)
     _compare_parser(subs)
     _offline_parser(subs)
 
@@ -185,6 +186,38 @@ def _soak_parser(subs) -> None:
 def _soak_command(args) -> int:
     from tokenfab.bench.soak_cli import soak_command
     return soak_command(args, _stdout_console())
+
+
+def _drills_parser(subs) -> None:
+    # The names and defaults are drill_cases.DRILLS' and drills.DrillConfig's, written out so that registering
+    # the parser imports neither; tests/test_drills.py holds them equal.
+    names = ["disconnect", "slow_readers", "idle_connections", "sigterm", "sigkill", "enospc", "corrupt_sqlite",
+             "ray_replica"]
+    p = subs.add_parser("drills", help="fault drills under load against a tokenfab serve it starts (exit 1 if one fails)",
+                        formatter_class=_DefaultsFormatter,
+                        description="Start `tokenfab serve` on the bundled model (or --serve-flags' model), run the "
+                                    "soak's mixed workload against it, and inject one fault per drill: hang-ups, "
+                                    "slow readers, idle connections, SIGTERM, SIGKILL, a full disk, a corrupt "
+                                    "database. Each drill prints a row: requests accepted, completed, failed with a "
+                                    "clear error, lost (must be 0), recovery time. See docs/bench.md.")
+    p.add_argument("--only", type=_csv(str), default=names, metavar="NAMES",
+                   help=f"comma-separated drills to run, in order: {','.join(names)}")
+    p.add_argument("--workdir", help="server logs and data dirs (default: a temporary directory, removed after)")
+    p.add_argument("--concurrency", type=int, default=2, help="background requests in flight")
+    p.add_argument("--load-seconds", type=float, default=4.0, help="seconds of load per drill phase")
+    p.add_argument("--idle-connections", type=int, default=1000, help="idle TCP connections the idle_connections drill opens")
+    p.add_argument("--slow-readers", type=int, default=4, help="streams the slow_readers drill reads slowly")
+    p.add_argument("--batch-lines", type=int, default=8, help="lines of the Batch API job the sigkill and enospc drills run")
+    p.add_argument("--serve-flags", help="more `tokenfab serve` flags, one string (e.g. \"--model M.gguf\")")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--markdown", help="write the table (and each drill's checks) as Markdown here")
+    p.set_defaults(func=_drills_command)
+
+
+def _drills_command(args) -> int:
+    from tokenfab.bench.drills_cli import drills_command
+    return drills_command(args, _stdout_console())
 
 
 def _compare_parser(subs) -> None:

@@ -162,9 +162,12 @@ def summarize_window(index: int, done: list[tuple[SoakRequest, RawResult, float,
         output_tokens=sum(rec.output_len for rec in ok), latency=latency, server=server)
 
 
-async def _dispatch(client, cfg: SoakConfig, workload: SoakWorkload, deadline: float, seed: int,
-                    clock: Callable[[], float], on_request: Callable[[RawResult], None] | None) -> list[tuple]:
-    """Start requests until `deadline`, then wait for them all."""
+async def dispatch(client, cfg: SoakConfig, workload: SoakWorkload, deadline: float, seed: int,
+                   clock: Callable[[], float], on_request: Callable[[RawResult], None] | None,
+                   stop: asyncio.Event | None = None) -> list[tuple]:
+    """Start requests until `deadline` (or until `stop` is set: the fault drills' background load), then
+    wait for them all."""
+    stopped = (lambda: False) if stop is None else stop.is_set
     sem = asyncio.Semaphore(cfg.max_concurrency)
     paced = math.isfinite(cfg.request_rate)
     gaps = np.random.default_rng(seed)
@@ -188,11 +191,11 @@ async def _dispatch(client, cfg: SoakConfig, workload: SoakWorkload, deadline: f
     while True:
         if paced and due > clock():
             await asyncio.sleep(min(due, deadline) - clock())
-        if clock() >= deadline:
+        if clock() >= deadline or stopped():
             break
         await sem.acquire()
         slot = clock()
-        if slot >= deadline:
+        if slot >= deadline or stopped():
             sem.release()
             break
         tasks.append(asyncio.create_task(one(workload.next(), due if paced else slot, slot)))
@@ -213,7 +216,7 @@ async def run_soak(cfg: SoakConfig, workload: SoakWorkload, counter: TokenCounte
         windows: list[WindowResult] = []
         for i in range(cfg.num_windows):
             w_start = clock()
-            done = await _dispatch(client, cfg, workload, w_start + cfg.window_s, cfg.seed + i, clock, on_request)
+            done = await dispatch(client, cfg, workload, w_start + cfg.window_s, cfg.seed + i, clock, on_request)
             server = await probe.wait_idle(client, cfg.base_url, cfg.api_key, cfg.pid, cfg.idle_timeout_s, t0, clock)
             windows.append(summarize_window(i, done, w_start, t0, server, counter, pcts))
             if on_window is not None:

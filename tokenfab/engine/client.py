@@ -43,6 +43,11 @@ class RequestFailed(RuntimeError):
     """This request failed inside the engine; other requests are unaffected."""
 
 
+class ReplicaLost(RequestFailed):
+    """The replica running this request died after its output began: the request itself was fine, and
+    sent again it runs on a live replica (HTTP 503 with Retry-After, not a 500)."""
+
+
 class EngineListener(Protocol):
     """Receives timings for metrics, on the event loop."""
     def on_first_token(self, output: RequestOutput) -> None: ...

@@ -6,8 +6,8 @@ place of a local AsyncEngine. It is an EngineClient (engine/client.py) whose eng
   the same RequestStream and listener calls (metrics) as a local engine.
 - A replica that dies (killed process, crashed engine loop) before the request's first text is
   *retried* on another replica: the routes send a chunk only once there is text, so nothing had
-  reached the client, and outputs are cumulative, so the retry is invisible. After that it is not retried: the stream ends with RequestFailed,
-  which the routes turn into an error event (streaming) or a 500 (non-streaming). Never a hang.
+  reached the client, and outputs are cumulative, so the retry is invisible. After that it is not retried: the stream ends with ReplicaLost,
+  which the routes turn into an error event (streaming) or a 503 with Retry-After (non-streaming). Never a hang.
 - `stats()` sums the replicas' last reported stats; `replica_stats()` keeps them apart (/metrics'
   `replica` label); `pools()` says how many replicas each pool has (/health: degraded when one is empty).
 - The model's info and tokenizer come from a replica's `describe()`: prompts are tokenized and
@@ -21,7 +21,7 @@ import logging
 import time
 
 from tokenfab.engine.client import (EngineDeadError, EngineStats, LoadSnapshot, ModelInfo, QueueFullError,
-                                    RequestFailed, tokenize_prompt)
+                                    ReplicaLost, RequestFailed, tokenize_prompt)
 from tokenfab.engine.streams import RequestStream, StreamClient
 from tokenfab.sampling import SamplingParams
 from tokenfab.serve_ray import routing
@@ -221,7 +221,7 @@ class ReplicaPoolEngine(StreamClient):
 
 def _as_engine_error(e: BaseException, replica: str | None, started: bool) -> BaseException:
     """The replica's exception as the server knows them: ValueError (400), QueueFullError (429),
-    EngineDeadError (503), RequestFailed (500)."""
+    EngineDeadError (503), ReplicaLost (503), RequestFailed (500)."""
     for cls in (ValueError, QueueFullError, RequestFailed):
         if isinstance(e, cls):
             cause = getattr(e, "cause", None)
@@ -229,7 +229,7 @@ def _as_engine_error(e: BaseException, replica: str | None, started: bool) -> Ba
     if _is_replica_failure(e):
         where = f"replica {replica}" if replica else "the replica"
         if started:
-            return RequestFailed(f"{where} failed while streaming this request ({type(e).__name__}); "
+            return ReplicaLost(f"{where} failed while streaming this request ({type(e).__name__}); "
                                  "the output so far is incomplete, retry the request")
         return EngineDeadError(f"{where} failed before starting this request, and retrying found no live "
                                f"replica in time ({type(e).__name__}); see /health")

@@ -23,11 +23,12 @@ log = logging.getLogger("tokenfab.server")
 # OpenAI's error types by status.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
+               429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable",
+               507: "server_error"}
 # The code a raise site that names none gets, so no error body carries "code": null.
 DEFAULT_CODES = {400: "invalid_value", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
                  405: "method_not_allowed", 413: "request_too_large", 429: "rate_limited", 500: "internal_error",
-                 503: "service_unavailable"}
+                 503: "service_unavailable", 507: "insufficient_storage"}
 
 # Anthropic's error types by status; any other 5xx is "api_error".
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from tokenfab.engine.client import EngineClient, EngineDeadError, QueueFullError, RequestFailed
+from tokenfab.engine.client import EngineClient, EngineDeadError, QueueFullError, ReplicaLost, RequestFailed
 from tokenfab.engine.lanes import BATCH, service_class_of
 from tokenfab.engine.streams import RequestStream
 from tokenfab.outputs import RequestOutput
@@ -28,6 +28,14 @@ from tokenfab.server.logprobs import TokenText
 from tokenfab.server.metrics import ServerMetrics
 
 log = logging.getLogger("tokenfab.server")
+
+
+def engine_error(e: RequestFailed | EngineDeadError) -> APIError:
+    """An engine failure of an accepted request, as its HTTP error: a replica that died under it is a 503
+    to retry (the request was fine), a request the engine failed a 500, an engine that is gone a 503."""
+    if isinstance(e, ReplicaLost):
+        return APIError(503, str(e), code="replica_lost", headers={"Retry-After": "1"})
+    return APIError(500 if isinstance(e, RequestFailed) else 503, str(e), code="engine_error")
 
 
 @dataclass
@@ -188,7 +196,7 @@ class ServerState:
             if isinstance(e, ValueError):
                 raise APIError(400, str(e), code="invalid_value") from None
             if isinstance(e, RequestFailed):
-                raise APIError(500, str(e), code="engine_error") from None
+                raise engine_error(e) from None
             raise
         return streams
 
@@ -202,7 +210,7 @@ class ServerState:
                 return results.result()
             raise ClientGone()
         except (RequestFailed, EngineDeadError) as e:
-            raise APIError(500 if isinstance(e, RequestFailed) else 503, str(e), code="engine_error") from None
+            raise engine_error(e) from None
         finally:
             gone.cancel()
             if not results.done():
