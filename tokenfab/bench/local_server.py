@@ -4,6 +4,7 @@ dir) and for the tests that need one."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -108,7 +109,9 @@ def serving(flags: list[str], log_path: str | Path, timeout_s: float = 300.0):
     Path(log_path).write_text("")
     proc = ServeProcess(flags, log_path)
     try:
-        asyncio.run(proc.start(timeout_s))
+        # on a thread of its own: the caller may be inside an event loop (a browser test's)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pool.submit(asyncio.run, proc.start(timeout_s)).result()
         yield proc.url
     finally:
         proc.stop()
