@@ -3,7 +3,8 @@
 # is built, vLLM for CPU (a bf16 copy of the same weights, served as bf16 and as float32); same load generator (tokenfab bench
 # serve), one server after the other on this machine:
 #   1 stream       4 requests, 128-token prompts, 128 output tokens, one at a time
-#   C streams     2C requests, same lengths, C in flight, for C in $CONC (default: 8 32 64)
+#   C streams     2C requests, same lengths, C in flight, for C in $CONC (default: 8 32 64); each level's
+#                 prompts are its own (seed 3 + C), so no level hits the prefix cache of the one before
 #   prefill        4 requests, 512-token prompts, 1 output token, one at a time (prefill tok/s = 512/TTFT)
 #   warm prefix    6 requests of 1,016 tokens sharing their first 1,000, one at a time, after a warm-up
 #                  request that fills the prefix (bench's --dataset shared-prefix): TTFT of a prefix hit
@@ -46,7 +47,7 @@ load() {  # NAME
   for c in "${CONC[@]}"; do
     n=$([ "$c" = 1 ] && echo 4 || echo "${NREQ:-$((2 * c))}")
     tokenfab bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts "$n" --max-concurrency "$c" \
-      --input-len 128 --output-len "${OUTLEN:-128}" --no-progress --seed 3 --out "$OUT/$1-c$c.json" >/dev/null
+      --input-len 128 --output-len "${OUTLEN:-128}" --no-progress --seed $((3 + c)) --out "$OUT/$1-c$c.json" >/dev/null
   done
   tokenfab bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts 4 --max-concurrency 1 \
     --input-len 512 --output-len 1 --no-progress --seed 5 --out "$OUT/$1-prefill.json" >/dev/null
