@@ -153,6 +153,21 @@ def record_steps(llm) -> list:
     return steps
 
 
+def write_gguf_tensors(w, tensors: dict, blocks=None) -> None:
+    """Add `tensors` to the gguf.GGUFWriter `w` and write its file. `blocks(name, array)` gives a tensor's
+    quantized (uint8 blocks, GGMLQuantizationType), or None to store the array as it is."""
+    for name, array in tensors.items():
+        q = blocks(name, array) if blocks is not None else None
+        if q is None:
+            w.add_tensor(name, array)
+        else:
+            w.add_tensor(name, q[0], raw_dtype=q[1])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_gguf_metadata(path, arch: str, fields: dict, tensors: dict | None = None) -> None:
     """A GGUF file with `arch`'s minimal model keys (1 layer, 64 wide, 4 heads, an 8-token vocabulary, a
     zero token embedding), then `fields` ("{arch}.x" keys: int -> uint32, float -> float32, str -> string)
@@ -166,12 +181,7 @@ def write_gguf_metadata(path, arch: str, fields: dict, tensors: dict | None = No
         add = w.add_float32 if isinstance(value, float) else w.add_string if isinstance(value, str) else w.add_uint32
         add(key, value)
     w.add_token_list([f"t{i}" for i in range(8)])
-    for name, array in {"token_embd.weight": np.zeros((8, 64), np.float32), **(tensors or {})}.items():
-        w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf_tensors(w, {"token_embd.weight": np.zeros((8, 64), np.float32), **(tensors or {})})
 
 
 FAMILY_PROMPTS = [[5, 17, 300, 4000, 99, 12], list(range(100, 160))]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.oracle import FAMILY_PROMPTS, assert_greedy_matches_transformers, make_tiny_model
+from tests.oracle import FAMILY_PROMPTS, assert_greedy_matches_transformers, make_tiny_model, write_gguf_tensors
 from tests.test_moe import _gguf_files, _quantize
 from tokenfab import LLM, kernels
 from tokenfab.model.attention import sink_attention
@@ -128,15 +128,8 @@ def _write_gpt_oss_gguf(path, hf, expert_type: str = "F32") -> None:
             f"{b}ffn_gate_exps.bias": np.ascontiguousarray(gate_up_bias[:, 0::2]),
             f"{b}ffn_up_exps.bias": np.ascontiguousarray(gate_up_bias[:, 1::2]),
             f"{b}ffn_down_exps.bias": sd[p + "mlp.experts.down_proj_bias"]})
-    for name, array in tensors.items():
-        if expert_type != "F32" and name.endswith("_exps.weight"):
-            w.add_tensor(name, _quantize(array, expert_type), raw_dtype=gguf.GGMLQuantizationType[expert_type])
-        else:
-            w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf_tensors(w, tensors, lambda name, array: (_quantize(array, expert_type), gguf.GGMLQuantizationType[
+        expert_type]) if expert_type != "F32" and name.endswith("_exps.weight") else None)
 
 
 def _round_experts_through_mxfp4(hf) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.oracle import assert_greedy_matches_transformers, make_tiny_model
+from tests.oracle import assert_greedy_matches_transformers, make_tiny_model, write_gguf_tensors
 from tokenfab import LLM, kernels
 from tokenfab.model.config import ModelConfig
 from tokenfab.model.llama import MLP
@@ -197,15 +197,8 @@ def _write_moe_gguf(path, hf, arch: str, expert_type: str = "F32", fuse_gate_up:
             tensors.update({f"blk.{i}.ffn_gate.weight": sd[p + "mlp.gate_proj.weight"],
                             f"blk.{i}.ffn_up.weight": sd[p + "mlp.up_proj.weight"],
                             f"blk.{i}.ffn_down.weight": sd[p + "mlp.down_proj.weight"]})
-    for name, array in tensors.items():
-        if expert_type != "F32" and name.endswith("_exps.weight"):
-            w.add_tensor(name, _quantize(array, expert_type), raw_dtype=gguf.GGMLQuantizationType[expert_type])
-        else:
-            w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf_tensors(w, tensors, lambda name, array: (_quantize(array, expert_type), gguf.GGMLQuantizationType[
+        expert_type]) if expert_type != "F32" and name.endswith("_exps.weight") else None)
 
 
 def _quantize(stacked: np.ndarray, kind: str) -> np.ndarray:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.oracle import assert_greedy_matches_transformers, make_tiny_model
+from tests.oracle import assert_greedy_matches_transformers, make_tiny_model, write_gguf_tensors
 from tokenfab import LLM, kernels
 
 
@@ -80,16 +80,9 @@ def _write_phi3_gguf(path, hf, q8_qkv: bool) -> None:
                         f"blk.{i}.ffn_down.weight": sd[p + "mlp.down_proj.weight"],
                         f"blk.{i}.attn_norm.weight": sd[p + "input_layernorm.weight"],
                         f"blk.{i}.ffn_norm.weight": sd[p + "post_attention_layernorm.weight"]})
-    for name, array in tensors.items():
-        if q8_qkv and name.endswith("attn_qkv.weight"):
-            w.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    write_gguf_tensors(w, tensors, lambda name, array: (gguf.quants.quantize(array, q8), q8)
+                       if q8_qkv and name.endswith("attn_qkv.weight") else None)
 
 
 def test_phi3_gguf_gives_the_hf_folders_tensors_and_config(tmp_path, bundled_tokenizer):
