@@ -47,6 +47,14 @@ async def _start_batch(ctx: DrillContext, n: int) -> str:
     return r.json()["id"]
 
 
+async def _store_response(ctx: DrillContext) -> dict:
+    """A stored /v1/responses answer (store defaults to true), for the restart to keep."""
+    r = await ctx.client.post(f"{ctx.server.url}/v1/responses", json={"model": ctx.model, "input": "Say hello.",
+                                                                     "max_output_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 async def _batch(ctx: DrillContext, batch_id: str) -> dict | None:
     with contextlib.suppress(Exception):
         r = await ctx.client.get(f"{ctx.server.url}/v1/batches/{batch_id}")
@@ -97,6 +105,7 @@ async def sigkill(ctx: DrillContext) -> DrillResult:
         await server.start()
         await ctx.use(server)
         batch_id = await _start_batch(ctx, n)
+        stored = await _store_response(ctx)
         async with ctx.load(seed=6) as load:
             before = await _batch_done_lines(ctx, batch_id, 2)
             t_kill = time.perf_counter()
@@ -113,6 +122,9 @@ async def sigkill(ctx: DrillContext) -> DrillResult:
         result.check("the restarted server served the load", any(raw.sent > t_kill and outcome(raw) == "completed"
                                                                   for _, raw in load.results))
         await _check_batch_output(ctx, done, n, result)
+        r = await ctx.client.get(f"{ctx.server.url}/v1/responses/{stored['id']}")
+        result.check("a stored response is intact after the restart",
+                     r.status_code == 200 and r.json()["output"] == stored["output"], f"GET answered {r.status_code}")
         result.kv_idle_blocks = await ctx.idle_kv()
     finally:
         server.stop()
