@@ -16,7 +16,7 @@ import sys
 EVAL_WORD = "eval"
 _WRITE_ONLY = ("scheme", "out", "calib", "calib_tokens")
 _EVAL_ONLY = ("base", "candidate", "text", "ctx", "max_windows", "plot", "sensitivity", "sensitivity_by",
-              "kv_cache_dtype", "kernel")
+              "kv_cache_dtype", "kernel", "speed")
 
 
 def add_parser(subs) -> None:
@@ -24,7 +24,7 @@ def add_parser(subs) -> None:
         "quant", add_help=False, help="quantize a model to a checkpoint folder, or evaluate quality against full precision",
         usage="tokenfab quant [MODEL] --scheme SCHEME --out DIR [--calib FILE] [--keep-float NAMES]\n"
               "       tokenfab quant eval [--base MODEL] --candidate MODEL_OR_SCHEME [--text FILE] [--ctx N] "
-              "[--json] [--plot PNG] [--sensitivity]",
+              "[--json] [--plot PNG] [--sensitivity] [--speed [N]]",
         description="Write: quantize MODEL's float weights (default: the bundled model) with SCHEME into a folder "
                     "that `LLM(model=DIR)` and `tokenfab serve DIR` load. Eval: KL divergence, same top-1, Δp and "
                     "perplexity of a candidate against the float base, as llama.cpp's perplexity tool reports them.")
@@ -68,6 +68,9 @@ def _eval_args(e) -> None:
     e.add_argument("--plot", metavar="PNG", help="write a histogram of per-token KL")
     e.add_argument("--sensitivity", action="store_true",
                    help="add the per-layer table: KL on the first window when only that layer is quantized")
+    e.add_argument("--speed", type=int, nargs="?", const=32, default=None, metavar="TOKENS",
+                   help="also time both models' single-stream greedy decode of TOKENS tokens (default 32), "
+                        "alternately in this run, and report tokens/s beside the KL")
     e.add_argument("--sensitivity-by", choices=("block", "linear", "kind"), default=None,
                    help="what one row quantizes: a decoder block (default), one linear, or one kind (q/k/v...)")
 
@@ -200,12 +203,14 @@ def cmd_eval(args) -> int:
         raise CLIError(f"--max-windows must be 0 (all) or positive, got {max_windows}")
     if args.text and not os.path.isfile(args.text):
         raise CLIError(f"--text {args.text}: no such file")
+    if args.speed is not None and args.speed < 2:
+        raise CLIError(f"--speed needs at least 2 tokens to time, got {args.speed}")
     _threads(args)
     with _status() as status:
         res = evaluate(args.base, args.candidate, text=args.text, ctx=ctx, max_windows=max_windows,
                        sensitivity=args.sensitivity, sensitivity_by=args.sensitivity_by or "block",
                        keep_float=_keep_float(args), kv_cache_dtype=args.kv_cache_dtype or "auto",
-                       kernel=args.kernel or "auto", progress=status.update)
+                       kernel=args.kernel or "auto", speed_tokens=args.speed or 0, progress=status.update)
     if args.plot:
         from tokenfab.quant.eval import kl_histogram_png
         kl_histogram_png(res.stats.kl, args.plot, title=f"KL(base ‖ {args.candidate}) per token, "
@@ -232,6 +237,10 @@ def _print_eval(res, plot: str | None) -> None:
     for k, v in res.report.rows():
         t.add_row(k, v)
     con.print(t)
+    if res.speed is not None:
+        sp = res.speed
+        con.print(f"decode speed ({sp.tokens} greedy tokens, one stream): base {sp.base_tokens_per_s:.1f} tok/s, "
+                  f"candidate {sp.candidate_tokens_per_s:.1f} tok/s ({sp.speedup:.2f}x)")
     if res.sensitivity is not None:
         s = Table(title=f"per-layer sensitivity: {res.sensitivity_scheme} on one group at a time (first window)")
         for col in ("layers", "mean KL", "max KL", "same top-1"):
