@@ -68,6 +68,15 @@ def test_written_mixed_folder_measures_within_budget_on_the_calibration_text(tin
     assert res.report.kl_mean <= BUDGET
 
 
+def test_mixed_folder_serves_in_the_engine(mixed):
+    from tokenfab import LLM, SamplingParams
+    out, _ = mixed
+    llm = LLM(model=out, max_model_len=128, num_kv_blocks=32)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    assert len(llm.generate([[5, 17, 300]], params)[0].outputs[0].token_ids) == 5
+    assert llm.engine.block_manager.num_used_blocks() == 0
+
+
 def test_greedy_raises_the_most_kl_per_byte_first():
     formats = format_order("int4-g32")
     assert formats == ["int4-g32", "int8", FLOAT]
