@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from tests.oracle import assert_greedy_matches_transformers, hf_greedy, make_tiny_model
+from tests.oracle import FAMILY_PROMPTS, assert_greedy_matches_transformers, hf_greedy, make_tiny_model
 from tokenfab.cli import main
 from tokenfab.quant.prune import kept_channel_count, layer_count, layers_to_drop
 
@@ -176,3 +176,28 @@ def test_prune_mistakes_exit_2_with_one_line(argv, says, capsys):
 def test_removing_every_layer_is_refused_by_name(tiny_dir, tmp_path, capsys):
     assert main(["prune", tiny_dir, "--drop-layers", "4", "--out", str(tmp_path / "o")]) == 2
     assert "at most 3 can be removed" in capsys.readouterr().err
+
+
+def test_removing_an_identity_layer_keeps_greedy_tokens_and_cuts_per_layer_config(tmp_path, bundled_tokenizer):
+    """SmolLM3 (RoPE left out on its last layer, a per-layer list in config.json): with layer 1 an identity,
+    pruning removes it, the list loses entry 1, and greedy tokens equal the unpruned model's in both
+    tokenfab and transformers."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from tokenfab import LLM
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    make_tiny_model("smollm3", src, bundled_tokenizer)
+    w = load_file(os.path.join(src, "model.safetensors"))
+    w["model.layers.1.self_attn.o_proj.weight"].zero_()
+    w["model.layers.1.mlp.down_proj.weight"].zero_()
+    save_file(w, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+    rc, text = _run(["prune", src, "--drop-layers", "1", "--calib-tokens", "64", "--out", out, "--json"])
+    assert rc == 0 and json.loads(text)["dropped_layers"] == [1]
+    before, after = (json.loads(open(os.path.join(d, "config.json")).read()) for d in (src, out))
+    assert before["no_rope_layers"] == [1, 1, 1, 0] and after["no_rope_layers"] == [1, 1, 0]
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    unpruned = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    llm = LLM(model=out, max_model_len=256, num_kv_blocks=64)
+    tokens = assert_greedy_matches_transformers(llm, hf, new_tokens=12)
+    assert tokens == [hf_greedy(unpruned, p, 12) for p in FAMILY_PROMPTS]
