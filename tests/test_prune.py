@@ -173,6 +173,14 @@ def test_prune_mistakes_exit_2_with_one_line(argv, says, capsys):
     assert len(err.splitlines()) == 1 and says in err
 
 
+def test_prune_prints_the_sizes_and_an_eval_command_against_its_own_source(tiny_dir, tmp_path):
+    out = str(tmp_path / "o")
+    rc, text = _run(["prune", tiny_dir, "--drop-layers", "1", "--calib-tokens", "32", "--out", out])
+    text = " ".join(text.split())       # rich wraps lines at the terminal width
+    assert rc == 0 and "layers 4 → 3 (removed [2])" in text and "FFN 128 → 128 channels" in text
+    assert f"tokenfab quant eval --base {tiny_dir} --candidate {out} --speed" in text
+
+
 def test_removing_every_layer_is_refused_by_name(tiny_dir, tmp_path, capsys):
     assert main(["prune", tiny_dir, "--drop-layers", "4", "--out", str(tmp_path / "o")]) == 2
     assert "at most 3 can be removed" in capsys.readouterr().err

@@ -65,9 +65,10 @@ def cmd_prune(args) -> int:
         print(json.dumps(res.as_dict(), indent=2))
         return 0
     from rich.console import Console
+    base = f" --base {args.model}" if args.model else ""     # eval's base defaults to the bundled model
     Console().print(
         f"layers {res.num_layers_before} → {res.num_layers_after} (removed {res.dropped_layers or 'none'}), "
         f"FFN {res.intermediate_before} → {res.intermediate_after} channels, parameters "
         f"{res.params_before / 1e6:,.1f} M → {res.params_after / 1e6:,.1f} M; {res.seconds:.0f} s\n"
-        f"wrote {res.out} (measure it: `tokenfab quant eval --candidate {res.out} --speed`)")
+        f"wrote {res.out} (measure it: `tokenfab quant eval{base} --candidate {res.out} --speed`)")
     return 0
