@@ -89,6 +89,14 @@ TINY_CONFIGS = {
     "olmoe": dict(model_type="olmoe", hidden_size=64, intermediate_size=32, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=4, rope_theta=10000.0, tie_word_embeddings=False,
                   num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, pad_token_id=None),
+    # gpt-oss: 4 experts of width 32, 2 per token, routed top-k-then-softmax with a router bias; sliding window
+    # of 16 on layers 0 and 2; YaRN over an original context of 32; a SwiGLU limit low enough that the
+    # clamps bite on these weights (biases and sinks made non-zero by make_tiny_model)
+    "gpt_oss": dict(model_type="gpt_oss", hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=16, swiglu_limit=1.5, tie_word_embeddings=False,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                                         beta_slow=1.0, truncate=False, original_max_position_embeddings=32)),
     "llama-linear-rope": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                               rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
@@ -116,6 +124,15 @@ def make_tiny_model(kind: str, folder: str, tokenizer, seed: int = 0, **override
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if model_type == "gpt_oss":  # HF initialises its biases to zero: give every bias and sink a value
+        with torch.no_grad():
+            for layer in model.model.layers:
+                a, x = layer.self_attn, layer.mlp.experts
+                for t in (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias, a.o_proj.bias):
+                    t.normal_(0, 0.5)
+                a.sinks.normal_(0, 1.0)
+                x.gate_up_proj_bias.normal_(0, 0.5)
+                x.down_proj_bias.normal_(0, 0.5)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     with open(os.path.join(folder, "config.json")) as f:

@@ -16,7 +16,7 @@ def test_every_registered_family_has_a_tiny_transformers_oracle():
 @pytest.mark.parametrize("model_type,arch", [("llama", "llama"), ("qwen2", "qwen2"), ("gemma3_text", "gemma3"),
                                              ("gemma3", "gemma3"), ("smollm3", "smollm3"), ("granite", "granite"),
                                              ("phi3", "phi3"), ("qwen3_moe", "qwen3moe"), ("mixtral", "mixtral"),
-                                             ("olmoe", "olmoe")])
+                                             ("olmoe", "olmoe"), ("gpt_oss", "gpt-oss")])
 def test_config_json_model_types_resolve_to_their_family(model_type, arch):
     assert families.for_hf(model_type).arch == arch
     assert families.for_gguf(arch).arch == arch

@@ -71,3 +71,11 @@ def test_messages_accepts_thinking_enabled_and_replies_without_a_thinking_block(
                                         "thinking": {"type": "enabled", "budget_tokens": 1024}})
     assert r.status_code == 200, r.text
     assert [b["type"] for b in r.json()["content"]] == ["text"]
+
+
+def test_responses_accepts_a_reasoning_effort_and_replies_without_a_reasoning_item(http, model, whole):
+    r = http.post("/v1/responses", json={"model": model, "max_output_tokens": 12, "input": ASK, "temperature": 0,
+                                         "reasoning": {"effort": "low"}, "store": False})
+    assert r.status_code == 200, r.text
+    assert [x["type"] for x in r.json()["output"]] == ["message"]
+    assert r.json()["output"][0]["content"][0]["text"] == whole["choices"][0]["message"]["content"]

@@ -22,6 +22,7 @@ _COMMAND_MODULES = [
     "tokenfab.plan.cli",     # plan
     "tokenfab.doctor.cli",   # doctor
     "tokenfab.server.batch_cli",   # batch run
+    "tokenfab.tune.cli",     # tune
 ]
 
 
@@ -51,6 +52,23 @@ def _name_commands(parser: argparse.ArgumentParser) -> None:
                 _name_commands(sub)
 
 
+def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str] | None,
+                       args: argparse.Namespace) -> argparse.Namespace:
+    """A command whose `--config FILE` holds its flags (`serve`): the file's values become that command's
+    defaults and the command line is parsed again, so a flag typed beside `--config` wins."""
+    read = getattr(args, "config_defaults", None)
+    if read is None or not getattr(args, "config", None):
+        return args
+    defaults = read(args.config)
+    if defaults is None:            # a file the command reads itself (serve: a Ray Serve config)
+        return args
+    args.config_parser.set_defaults(**defaults)
+    path = args.config
+    args = parser.parse_args(argv)
+    args.config, args.config_file = None, path
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -58,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        args = _apply_config_file(parser, argv, args)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130

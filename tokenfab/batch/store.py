@@ -1,6 +1,7 @@
-"""BatchStore: uploaded files, batch jobs and their per-line results, durable under one data dir.
+"""BatchStore: uploaded files, batch jobs and their per-line results, and stored responses (the
+Responses API's `store`), durable under one data dir.
 
-    data_dir/batch.sqlite   files, batches, results (the standard library's sqlite3, WAL mode)
+    data_dir/batch.sqlite   files, batches, results, responses (the standard library's sqlite3, WAL mode)
     data_dir/files/<id>     each file's bytes (uploads and the output/error files a batch writes)
 
 Every line's result is one committed row keyed by (batch, line) and inserted with INSERT OR IGNORE, so
@@ -37,6 +38,8 @@ CREATE TABLE IF NOT EXISTS batches (
 CREATE TABLE IF NOT EXISTS results (
     batch_id TEXT NOT NULL, line INTEGER NOT NULL, is_error INTEGER NOT NULL, record TEXT NOT NULL,
     PRIMARY KEY (batch_id, line));
+CREATE TABLE IF NOT EXISTS responses (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, obj TEXT NOT NULL, input_items TEXT NOT NULL);
 """
 
 
@@ -51,7 +54,8 @@ class StoreError(ValueError):
 # The columns of each table, in order, as _SCHEMA creates them: what an existing file must hold.
 _COLUMNS = {"files": ["id", "filename", "purpose", "bytes", "created_at"],
             "batches": ["seq", "id", "status", "obj"],
-            "results": ["batch_id", "line", "is_error", "record"]}
+            "results": ["batch_id", "line", "is_error", "record"],
+            "responses": ["seq", "id", "obj", "input_items"]}
 
 
 class StoreOpenError(ValueError):
@@ -223,3 +227,22 @@ class BatchStore:
         """(line, is_error, record as JSON text), in input order."""
         return [(n, bool(e), r) for n, e, r in
                 self._q("SELECT line, is_error, record FROM results WHERE batch_id = ? ORDER BY line", (batch_id,))]
+
+    # -- stored responses (/v1/responses with store: true) -----------------------------------------
+    def add_response(self, obj: dict, input_items: list[dict]) -> None:
+        """Keep a finished response with every input item it saw (a previous response's included)."""
+        self._q("INSERT INTO responses (id, obj, input_items) VALUES (?, ?, ?)",
+                (obj["id"], json.dumps(obj), json.dumps(input_items)))
+
+    def get_response(self, response_id: str, param: str = "response_id") -> tuple[dict, list[dict]]:
+        """(the response object, its input items); a 404 naming `param` when no response has that id."""
+        rows = self._q("SELECT obj, input_items FROM responses WHERE id = ?", (response_id,))
+        if not rows:
+            raise StoreError(404, f"no stored response with id {response_id!r} (it was never stored, was created "
+                                  "with store: false, or was deleted)", "response_not_found", param)
+        return json.loads(rows[0][0]), json.loads(rows[0][1])
+
+    def delete_response(self, response_id: str) -> dict:
+        self.get_response(response_id)
+        self._q("DELETE FROM responses WHERE id = ?", (response_id,))
+        return {"id": response_id, "object": "response.deleted", "deleted": True}

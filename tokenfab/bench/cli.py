@@ -100,6 +100,20 @@ def _serve_parser(subs) -> None:
     p.set_defaults(func=serve_command)
 
 
+def parse_serve_flags(argv: list[str]) -> argparse.Namespace:
+    """`bench serve`'s flags parsed on their own, for a tool that runs the benchmark itself (`tokenfab
+    tune`); a bad flag raises ValueError with argparse's message instead of exiting."""
+    parser = argparse.ArgumentParser(prog="tokenfab")
+    _serve_parser(parser.add_subparsers())
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+
+    def refuse(message: str):
+        raise ValueError(message)
+
+    serve.error = parser.error = refuse
+    return parser.parse_args(["serve", *argv])
+
+
 def _soak_parser(subs) -> None:
     # The defaults are drift.Thresholds' and soak_mix.SoakMix's, written out so that registering the parser
     # imports neither (numpy, httpx); tests/test_bench_soak.py holds them equal.

@@ -14,6 +14,11 @@ positions before it read as zeros or stale copies, which the window mask never w
 pure torch; the cpu backend (model/backends.py: CpuPagedAttention) subclasses it to read the pools in
 place through tokenfab's C kernels.
 
+Attention sinks (gpt-oss): a layer may pass `sinks`, one learned logit per head that joins each query's
+softmax denominator and weighs no value: softmax over [scores, sink], the sink's column dropped
+(`sink_attention`, transformers' eager arithmetic step for step). SDPA has no such term, so those layers
+attend through `sink_attention` on every path of this class, decodes and prefills, windows and int8 pools.
+
 int8 KV cache (`kv_cache_dtype="int8"`): a layer's K and V pools are `Int8KVCache`s, int8 values plus
 a float32 scale per token and head (symmetric, scale = max|x| / 127 over the head's dims). Writes
 quantize, gathers dequantize to the compute dtype, and a prefill attends to its own new tokens as
@@ -117,6 +122,34 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     return (q.float() * scale[..., None]).to(dtype)
 
 
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink logit per head: q [B, H, Tq, D], k / v [B, KVH, L, D], `mask` boolean
+    (broadcastable to [B, H, Tq, L], True: attend) or None, `sinks` [H]. The sink enters each row's softmax
+    denominator only: scores and the sink's column are shifted by their maximum, softmaxed together, and the
+    sink's probability dropped, as transformers' GptOssAttention does. Returns [B, H, Tq, D]."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def _attend(q, k, v, mask, causal: bool, scale: float, gqa: bool, sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA, or sink_attention where the layer has sinks (the causal flag as an explicit mask)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    return sink_attention(q, k, v, mask, scale, sinks)
+
+
 class TorchPagedAttention:
     """Portable backend: gather the context's blocks, then SDPA with the causal offset."""
 
@@ -146,42 +179,49 @@ class TorchPagedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 window: int | None = None) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens. Returns [T, H, D]."""
+                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens; `sinks`: [H] sink logits or None. Returns
+        [T, H, D]."""
         k, v = self.write_kv(k_cache, v_cache, k, v, meta)
-        return self.attend(q, k, v, k_cache, v_cache, meta, window)
+        return self.attend(q, k, v, k_cache, v_cache, meta, window, sinks)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache,
-               meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
+               meta: AttentionMetadata, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention for tokens whose K/V are already in the cache (and given as k, v too)."""
         nd = meta.num_decode_tokens
         if not meta.prefills:                      # all decodes: the common step, no scatter
-            return self._decode_any(q, k_cache, v_cache, meta, window)
+            return self._decode_any(q, k_cache, v_cache, meta, window, sinks)
         if nd == 0 and len(meta.prefills) == 1:    # one prefill chunk alone
-            return self._prefill(q, k, v, k_cache, v_cache, meta.prefills[0], window)
+            return self._prefill(q, k, v, k_cache, v_cache, meta.prefills[0], window, sinks)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode_any(q[:nd], k_cache, v_cache, meta, window)
+            out[:nd] = self._decode_any(q[:nd], k_cache, v_cache, meta, window, sinks)
         for p in meta.prefills:
             s, e = p.query_start, p.query_start + p.query_len
-            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, p, window)
+            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, p, window, sinks)
         return out
 
-    def _decode_any(self, q, k_cache, v_cache, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
+    def _decode_any(self, q, k_cache, v_cache, meta: AttentionMetadata, window: int | None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if sinks is not None:                      # one gather + masked path for every window
+            return TorchPagedAttention._decode_window(self, q, k_cache, v_cache, meta, window, sinks)
         if window is None or meta.decode_max_context <= window:      # the window covers every context
             return self._decode(q, k_cache, v_cache, meta)
         return self._decode_window(q, k_cache, v_cache, meta, window)
 
-    def _decode_window(self, q, k_cache, v_cache, meta: AttentionMetadata, window: int) -> torch.Tensor:
+    def _decode_window(self, q, k_cache, v_cache, meta: AttentionMetadata, window: int | None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Decode attention over each sequence's last `window` positions: gather + masked SDPA."""
         L = meta.decode_max_context
         keys = self._gather(k_cache, meta.decode_block_tables, L).transpose(1, 2)    # [B, KVH, L, D]
         vals = self._gather(v_cache, meta.decode_block_tables, L).transpose(1, 2)
         lens = meta.decode_context_lens
         j = torch.arange(L, device=q.device)[None, :]
-        mask = ((j < lens[:, None]) & (j >= lens[:, None] - window))[:, None, None, :]
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask,
-                                           scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        mask = j < lens[:, None]
+        if window is not None:
+            mask &= j >= lens[:, None] - window
+        o = _attend(q.unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype), mask[:, None, None, :], False, self.scale,
+                    self.num_heads != self.num_kv_heads, sinks)
         return o.squeeze(2)
 
     def _gather(self, cache: torch.Tensor | Int8KVCache, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -207,7 +247,8 @@ class TorchPagedAttention:
                                            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return o.squeeze(2)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillChunk, window: int | None = None) -> torch.Tensor:
+    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillChunk, window: int | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         gqa = self.num_heads != self.num_kv_heads
         slides = window is not None and p.context_len > window
         if p.context_len == p.query_len and not slides:   # nothing cached before: the fresh K/V directly
@@ -225,7 +266,6 @@ class TorchPagedAttention:
             if slides:
                 mask &= j > qi - window
             causal = False
-        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-                                           vals.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal,
-                                           scale=self.scale, enable_gqa=gqa)
+        o = _attend(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                    vals.transpose(0, 1).unsqueeze(0), mask, causal, self.scale, gqa, sinks)
         return o.squeeze(0).transpose(0, 1)

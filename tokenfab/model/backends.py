@@ -19,7 +19,8 @@
   AVX512-BF16) from the chunk size where the qkv projection already runs the lossy bf16 kernel
   (`prefill_attention_dtype`, see bf16_prefill_rows). float32 on the CPU only; the KV pools float32 or
   float16 (kv_cache_dtype, read by the layer path and the one-call stack alike); with the int8 KV cache attention falls back to the
-  torch path (the C norms stay).
+  torch path (the C norms stay), and so do layers with attention sinks (gpt-oss: the C kernels have no sink
+  term; model/attention.py's sink_attention runs them).
 
 "auto" takes cpu where it can run (kernels built, CPU, float32), else torch. Every choice is made here,
 once; the forward pass never asks again.
@@ -73,7 +74,7 @@ class TorchBackend:
         v = qkv[:, layer.q_size + layer.kv_size:].view(T, kvh, d)
         # q and k sit side by side in each row: rotate them in one go
         qk = rope.apply(qkv[:, :layer.q_size + layer.kv_size].view(T, h + kvh, d), rope_tables)
-        return self.paged(qk[:, :h], qk[:, h:], v, kv[0], kv[1], meta, layer.window)
+        return self.paged(qk[:, :h], qk[:, h:], v, kv[0], kv[1], meta, layer.window, layer.sinks)
 
     def run_stack(self, model, x, kv_caches, meta, num_layers=None) -> bool:
         return False
@@ -91,9 +92,9 @@ class CpuPagedAttention(TorchPagedAttention):
     bf16_now: bool = True
     bf16_out: bool = False    # a bf16 chunk's output may stay bfloat16 (CpuBackend: the o projection takes it)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, p, window=None):
-        if self.bf16_rows is None or not self.bf16_now or p.query_len < self.bf16_rows:
-            return super()._prefill(q, k, v, k_cache, v_cache, p, window)
+    def _prefill(self, q, k, v, k_cache, v_cache, p, window=None, sinks=None):
+        if self.bf16_rows is None or not self.bf16_now or p.query_len < self.bf16_rows or sinks is not None:
+            return super()._prefill(q, k, v, k_cache, v_cache, p, window, sinks)
         b = torch.bfloat16        # a cached context is gathered and cast to q's dtype by the base class
         o = super()._prefill(q.to(b), k.to(b), v.to(b), k_cache, v_cache, p, window)
         return o if self.bf16_out else o.to(q.dtype)
@@ -137,7 +138,8 @@ class CpuBackend(TorchBackend):
 
     def attention(self, layer, qkv, rope, rope_tables, kv, meta):
         qkv = qkv.float()           # bf16 rows from the bf16 GEMM on a norm's bf16 output (_set_bf16_feeds)
-        if not self.c_attention or meta.positions is None:
+        # attention sinks (gpt-oss) have no C kernel: those layers attend on the torch path
+        if not self.c_attention or meta.positions is None or layer.sinks is not None:
             return super().attention(layer, qkv, rope, rope_tables, kv, meta)
         qkv = qkv.contiguous()
         T = qkv.shape[0]
@@ -286,7 +288,7 @@ def _build_stack(model, kv_caches, cap: int, big_cap: int = 0) -> tuple | None:
     cfg = model.config
     # the C layer table has a dense MLP and per-head q/k norms: MoE models run layer by layer (model/moe.py)
     if cfg.qkv_bias or cfg.head_dim > kernels.MAX_HEAD_DIM or cfg.head_dim % 2 \
-            or cfg.hidden_act not in kernels.ACTIVATIONS or cfg.num_experts or cfg.qk_norm_full:
+            or cfg.hidden_act not in kernels.ACTIVATIONS or cfg.num_experts or cfg.qk_norm_full or cfg.attn_sinks:
         return None
     limit = max(cap, big_cap)
     rows = set(range(1, limit + 1))

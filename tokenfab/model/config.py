@@ -54,6 +54,17 @@ class ModelConfig:
     norm_topk_prob: bool = True              # the k chosen router probabilities renormalised to sum to 1
     moe_layers: list[bool] = field(default_factory=list)   # per layer: experts (True) or the dense MLP
     qk_norm_full: bool = False               # OLMoE: the q/k norms span the whole projection, not each head
+    # gpt-oss (model/families/gpt_oss.py): the router's top k logits softmaxed (not the softmax's top k), a
+    # bias on the router and on every expert projection, the clamped SwiGLU (hidden_act "swiglu_oai": gate
+    # clamped above, up on both sides at swiglu_limit, gate * sigmoid(swiglu_alpha * gate) * (up + 1)), a bias
+    # on the attention output, and a learned sink logit per head in every attention softmax's denominator
+    moe_topk_then_softmax: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    o_bias: bool = False
+    attn_sinks: bool = False
 
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and layer < len(self.moe_layers) and self.moe_layers[layer]

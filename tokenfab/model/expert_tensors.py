@@ -12,22 +12,24 @@ from tokenfab.model import families
 
 
 def stacked_experts(gguf_name: str) -> tuple[int, tuple[str, ...]] | None:
-    """(layer, HF projections) of a llama.cpp stacked expert tensor (`blk.3.ffn_up_exps.weight`), else None."""
+    """(layer, HF projections) of a llama.cpp stacked expert tensor (`blk.3.ffn_up_exps.weight`, or its
+    `.bias` [experts, rows]: gpt-oss), else None."""
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in families.STACKED_EXPERT_NAMES:
+    if (len(parts) == 4 and parts[0] == "blk" and parts[3] in ("weight", "bias")
+            and parts[2] in families.STACKED_EXPERT_NAMES):
         return int(parts[1]), families.STACKED_EXPERT_NAMES[parts[2]]
     return None
 
 
-def expert_slices(num_experts: int, layer: int, projs: tuple[str, ...],
-                  intermediate_size: int) -> Iterator[tuple[str, int, slice]]:
-    """(HF name, expert, rows of that expert's matrix) for each expert and projection of a stacked tensor; a
-    fused gate/up splits its rows at the experts' width, gate first."""
+def expert_slices(num_experts: int, layer: int, projs: tuple[str, ...], intermediate_size: int,
+                  suffix: str = "weight") -> Iterator[tuple[str, int, slice]]:
+    """(HF name, expert, rows of that expert's matrix, or of its bias) for each expert and projection of a
+    stacked tensor; a fused gate/up splits its rows at the experts' width, gate first."""
     rows = [slice(None)] if len(projs) == 1 else [slice(j * intermediate_size, (j + 1) * intermediate_size)
                                                   for j in range(len(projs))]
     for e in range(num_experts):
         for proj, r in zip(projs, rows):
-            yield f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", e, r
+            yield f"model.layers.{layer}.mlp.experts.{e}.{proj}.{suffix}", e, r
 
 
 def split_stacked_hf_experts(cfg, weights) -> None:

@@ -1,8 +1,9 @@
 """The Llama-family decoder: Llama, SmolLM, Mistral, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm), and
 Gemma 3 as a configuration of it (ModelConfig's switches: (1 + weight) norms, four norms per layer,
 GeGLU, q/k norms, sliding-window layers with their own RoPE base, scaled embeddings and attention).
-Mixture-of-experts layers (Qwen3-MoE, Mixtral, OLMoE) replace a layer's MLP by model/moe.py's `MoE`,
-whose experts are this file's `MLP`.
+Mixture-of-experts layers (Qwen3-MoE, Mixtral, OLMoE, gpt-oss) replace a layer's MLP by model/moe.py's
+`MoE`, whose experts are this file's `MLP`. gpt-oss adds biases on the attention output and the experts, the
+clamped SwiGLU, and a learned sink logit per head (`Attention.sinks`, run by the torch attention path).
 
 It runs a flat batch: `input_ids` and `positions` concatenated over all sequences of a step, with the
 attention layout in an `AttentionMetadata` passed in by the runner. Projections are plain `nn.Linear`
@@ -26,6 +27,8 @@ from tokenfab.model.config import ModelConfig
 from tokenfab.model.layers import RMSNorm, RotaryEmbedding
 from tokenfab.model.moe import MoE
 
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "swiglu_oai")
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, block_size: int, index: int = 0):
@@ -35,7 +38,9 @@ class Attention(nn.Module):
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.h * self.d, self.kvh * self.d
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        # gpt-oss: per head, a logit that joins every softmax's denominator and weighs no value
+        self.sinks = nn.Parameter(torch.zeros(self.h), requires_grad=False) if cfg.attn_sinks else None
         # per head (Qwen3, Gemma 3), or over the whole projection (OLMoE: qk_norm_full)
         self.qk_full = cfg.qk_norm_full
         q_width, k_width = (self.q_size, self.kv_size) if self.qk_full else (self.d, self.d)
@@ -63,19 +68,27 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
-        """`intermediate_size`: a mixture-of-experts expert's width (default: the dense MLP's)."""
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, bias: bool = False):
+        """`intermediate_size`: a mixture-of-experts expert's width (default: the dense MLP's); `bias`: both
+        projections have one (gpt-oss's experts)."""
         super().__init__()
         self.inter = intermediate_size or cfg.intermediate_size
-        if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
-            raise ValueError(f"unsupported activation {cfg.hidden_act!r}; supported: silu, gelu_pytorch_tanh")
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {cfg.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"       # GeGLU (Gemma) instead of SwiGLU
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+        # gpt-oss's clamped SwiGLU (torch only: the C kernels have the plain two)
+        self.clamped = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.hidden_act == "swiglu_oai" else None
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=bias)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=bias)
         self.c_kernel = False               # C SwiGLU / GeGLU; set once at load by the cpu backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.clamped is not None:        # as transformers' GptOssExperts, op for op
+            alpha, limit = self.clamped
+            gate, up = gate_up.split(self.inter, dim=-1)
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+            return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * alpha)))
         if self.c_kernel:       # the one-call decode stack's kernels, so both paths give the same logits
             if gate_up.dtype == torch.bfloat16:    # x came bf16 from the norm (RMSNorm.feeds), for the bf16 GEMM
                 if not self.gelu and self.down_proj.takes_bf16(gate_up.shape[0]):
@@ -95,7 +108,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, block_size, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg, lambda: MLP(cfg, cfg.moe_intermediate_size)) if cfg.is_moe(index) else MLP(cfg)
+        self.mlp = (MoE(cfg, lambda: MLP(cfg, cfg.moe_intermediate_size, cfg.expert_bias)) if cfg.is_moe(index)
+                    else MLP(cfg))
         # Gemma: post_attention_layernorm normalizes the attention output, and the MLP gets its own
         # pre and post norms (Llama's post_attention_layernorm is the MLP's input norm)
         self.sandwich = cfg.sandwich_norms
@@ -237,11 +251,15 @@ class LlamaModel(nn.Module):
             a = layer.self_attn
             put_linear(a, "qkv_proj", [p + f"self_attn.{n}_proj" for n in "qkv"], p + "qkv_proj")
             put_linear(a, "o_proj", [p + "self_attn.o_proj"], p + "self_attn.o_proj.weight")
+            if a.sinks is not None:
+                put(a, take(p + "self_attn.sinks"), p + "self_attn.sinks", "sinks", torch.float32)
             if cfg.qk_norm:
                 put_norm(a.q_norm, p + "self_attn.q_norm.weight")
                 put_norm(a.k_norm, p + "self_attn.k_norm.weight")
             if isinstance(layer.mlp, MoE):    # the router stays float32 (model/moe.py); each expert an MLP
                 put(layer.mlp, take(p + "mlp.gate.weight"), p + "mlp.gate.weight", "router", torch.float32)
+                if layer.mlp.router_bias is not None:
+                    put(layer.mlp, take(p + "mlp.gate.bias"), p + "mlp.gate.bias", "router_bias", torch.float32)
                 experts = [(expert, f"{p}mlp.experts.{e}.") for e, expert in enumerate(layer.mlp.experts)]
             else:
                 experts = [(layer.mlp, p + "mlp.")]

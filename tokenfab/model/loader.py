@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from tokenfab.model import rope as rope_scalings
 from tokenfab.files.bundled import resolve_model_path
 from tokenfab.model.config import ModelConfig
 from tokenfab.files.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class ModelLoadError(ValueError):
@@ -210,10 +213,10 @@ def gguf_config(reader, path: str) -> ModelConfig:
             cfg.set_experts(int(experts), used,
                             int(field(f"{arch}.expert_feed_forward_length") or cfg.intermediate_size), True,
                             [f"blk.{i}.ffn_gate_inp.weight" in names for i in range(cfg.num_layers)])
+        cfg.rope_scaling = _gguf_rope_scaling(reader, field, arch, cfg, path)
         family.from_gguf(field, cfg)        # may set its own routing normalisation (OLMoE: none)
         if field(f"{arch}.expert_weights_norm") is not None:      # the file's own word wins
             cfg.norm_topk_prob = bool(field(f"{arch}.expert_weights_norm"))
-        cfg.rope_scaling = _gguf_rope_scaling(reader, field, arch, cfg, path)
         return cfg
     except (TypeError, KeyError) as e:
         raise ModelLoadError(f"{path}: GGUF metadata is missing a required field ({e})") from None
@@ -272,8 +275,8 @@ def _gguf_rope_scaling(reader, field, arch: str, cfg: ModelConfig, path: str) ->
 
 # Run as shipped with quantization="gguf" (tokenfab/quant: Q5_0 widened into Q8_0's form, K-quants as stored).
 _NATIVE_GGUF_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-# Read (dequantized with the gguf package) for quantization="none"; anything else is refused by name.
-READABLE_GGUF_TYPES = ("F32", "F16", "BF16", "Q5_1") + _NATIVE_GGUF_TYPES
+# Read (dequantized by the gguf package) for quantization="none", and MXFP4 (gpt-oss's experts, no kernel) always.
+READABLE_GGUF_TYPES = ("F32", "F16", "BF16", "Q5_1", "MXFP4") + _NATIVE_GGUF_TYPES
 
 
 def load_gguf_weights(reader, cfg: ModelConfig, path: str):
@@ -301,7 +304,8 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
                                  f"truncated or corrupt ({t.data.nbytes} of its "
                                  f"{int(t.n_elements) // block * block_bytes} bytes are there)")
         if stacked is not None:     # each expert's slice alone: a float read dequantizes one expert, not the stack
-            for hf, e, rows in expert_tensors.expert_slices(t.data.shape[0], *stacked, cfg.moe_intermediate_size):
+            kind = t.name.rpartition(".")[2]        # weight or bias
+            for hf, e, rows in expert_tensors.expert_slices(t.data.shape[0], *stacked, cfg.moe_intermediate_size, kind):
                 weights.defer(hf, lambda t=t, hf=hf, part=(e, rows): _gguf_float(t, hf, 0, cfg, path, part))
                 if qtype.name in _NATIVE_GGUF_TYPES:
                     raw[hf] = (qtype.name, t.data[e][rows])
@@ -313,13 +317,15 @@ def load_gguf_weights(reader, cfg: ModelConfig, path: str):
             if heads:   # rows are independent blocks: permute the raw rows as the float rows are
                 blocks = _unpermute_rope_rows(torch.from_numpy(np.array(blocks)), heads).numpy()
             raw[hf] = (qtype.name, blocks)
+    if types.get("MXFP4"):
+        log.warning("%s: %d MXFP4 tensors are dequantized to float at load (tokenfab has no MXFP4 kernel; they "
+                    "take 8x their file size in float32)", path, types["MXFP4"])
     return weights, types, raw
 
 
 def _gguf_float(t, hf: str, heads: int, cfg: ModelConfig, path: str,
                 part: tuple[int, slice] | None = None) -> torch.Tensor:
-    """One GGUF tensor as float32, in HF's row order and norm convention (`part`: one expert's rows of a
-    stacked tensor)."""
+    """One GGUF tensor as float32, in HF's row order and norm convention (`part`: one expert's stacked rows)."""
     import gguf
 
     try:

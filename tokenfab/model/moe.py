@@ -2,7 +2,9 @@
 outputs weighted by the router's probabilities (Qwen3-MoE, Mixtral, OLMoE; model/families/).
 
 Routing is softmax over the router logits in float32, the top k, and (where the family says so,
-`ModelConfig.norm_topk_prob`) those k renormalised to sum to 1, as transformers and llama.cpp do. The router
+`ModelConfig.norm_topk_prob`) those k renormalised to sum to 1, as transformers and llama.cpp do; gpt-oss
+(`ModelConfig.moe_topk_then_softmax`) takes the top k logits first and softmaxes those k, and its router
+has a bias. The router
 stays a float32 matrix on every path (never quantized, never behind the kernel seam): the top-k choice is
 discrete, and a rounding error that reorders two probabilities sends a token to another expert.
 
@@ -24,9 +26,13 @@ from torch import nn
 from tokenfab.model.config import ModelConfig
 
 
-def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, k: int, normalize: bool,
+          topk_then_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k]) from router logits [T, E]: softmax, top k, and the k
-    renormalised to sum to 1 when `normalize`."""
+    renormalised to sum to 1 when `normalize`; `topk_then_softmax`: the top k logits, softmaxed (gpt-oss)."""
+    if topk_then_softmax:
+        top, experts = torch.topk(logits.float(), k, dim=-1)
+        return torch.softmax(top, dim=-1), experts
     probs = torch.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, k, dim=-1)
     if normalize:
@@ -50,14 +56,18 @@ class MoE(nn.Module):
         """`make_expert`: one expert MLP (the decoder's `MLP` at the experts' width)."""
         super().__init__()
         self.num_experts, self.top_k, self.normalize = cfg.num_experts, cfg.experts_per_token, cfg.norm_topk_prob
+        self.topk_then_softmax = cfg.moe_topk_then_softmax
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.top_k} must be between 1 and num_experts={self.num_experts}")
         self.router = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32),
                                    requires_grad=False)
+        self.router_bias = (nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False) if cfg.router_bias
+                            else None)
         self.experts = nn.ModuleList(make_expert() for _ in range(cfg.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = route(F.linear(x.to(self.router.dtype), self.router), self.top_k, self.normalize)
+        weights, experts = route(F.linear(x.to(self.router.dtype), self.router, self.router_bias), self.top_k,
+                                 self.normalize, self.topk_then_softmax)
         order, counts = group_by_expert(experts, self.num_experts)
         tokens = order // self.top_k
         rows = x[tokens]                     # the step's (token, choice) rows, grouped by expert

@@ -2,8 +2,8 @@
 
     app = build_app(LLMEngine(EngineConfig()), ServerConfig())   # then run it with uvicorn
 
-The generation routes live in completions.py, chat.py and messages.py (Anthropic's Messages API); the
-small ones are here. The routes reach the engine only through its EngineClient (engine/client.py); an
+The generation routes live in completions.py, chat.py, messages.py (Anthropic's Messages API) and
+responses.py (OpenAI's Responses API); the small ones are here. The routes reach the engine only through its EngineClient (engine/client.py); an
 LLMEngine given here is wrapped in an AsyncEngine, whose worker thread starts with the app (lifespan)
 and stops after uvicorn has drained the connections.
 """
@@ -21,7 +21,7 @@ from tokenfab.engine.async_engine import AsyncEngine
 from tokenfab.engine.client import EngineClient, ModelInfo
 from tokenfab.batch.service import BatchService
 from tokenfab.batch.store import BatchStore
-from tokenfab.server import batch_routes, chat, completions, messages
+from tokenfab.server import batch_routes, chat, completions, messages, responses
 from tokenfab.server.batch_dispatch import call_route
 from tokenfab.server.config import ServerConfig
 from tokenfab.server.doctor_route import add_doctor_route
@@ -82,6 +82,7 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(messages.router)
+    app.include_router(responses.router)
     batch_routes.install(app)
     _add_small_routes(app, state)
     add_doctor_route(app, state)

@@ -17,10 +17,10 @@ from tokenfab.batch.lines import ENDPOINTS
 from tokenfab.batch.service import BatchService
 from tokenfab.batch.store import StoreError
 from tokenfab.server.errors import APIError, parse_json_object
+from tokenfab.server.limits import check_metadata
 
 router = APIRouter()
 FILE_PURPOSES = ("batch",)
-MAX_METADATA_KEYS = 16
 
 
 def _service(request: Request) -> BatchService:
@@ -99,10 +99,7 @@ async def create_batch(request: Request) -> dict:
         raise APIError(400, f"completion_window must be \"24h\", got {body.get('completion_window')!r}",
                        param="completion_window")
     metadata = body.get("metadata")
-    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= MAX_METADATA_KEYS and all(
-            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items())):
-        raise APIError(400, f"metadata must map at most {MAX_METADATA_KEYS} keys (64 characters) to strings "
-                            "(512 characters)", param="metadata")
+    check_metadata(metadata)
     file_id = body.get("input_file_id")
     store = _store(request)
     try:

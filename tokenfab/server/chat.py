@@ -25,7 +25,7 @@ from tokenfab.server.logprobs import chat_logprobs
 from tokenfab.server.protocol import ChatCompletionRequest
 from tokenfab.server.reasoning import parser_for as reasoning_parser_for
 from tokenfab.server.reply import Reply
-from tokenfab.server.state import ClientGone, ServerState, usage
+from tokenfab.server.state import ServerState, usage
 from tokenfab.server.streaming import ChoiceDelta, framed, sse, sse_response
 from tokenfab.server.tools import InvalidToolCalls, ToolPlan, chat_constraints, template_input
 from tokenfab.structured_output import StructuredOutputParams
@@ -140,11 +140,7 @@ async def create_chat_completion(request: Request) -> Response:
         return sse_response(framed(chunks(st, req, rid, stream, top_n, params.n, access, arrival, reply),
                                    [stream], access), rid)
 
-    try:
-        (final,) = await st.collect(request, [stream])
-    except ClientGone:
-        access["outcome"] = "client_disconnected"
-        return Response(status_code=499)
+    (final,) = await st.collect(request, [stream])
     choices = []
     for o in final.outputs:
         lps = chat_logprobs(st.token_text, o.token_ids, o.logprobs or [], top_n) if top_n is not None else None

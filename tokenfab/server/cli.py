@@ -98,11 +98,18 @@ def add_parser(subparsers) -> None:
                    help="how a pool picks a replica: the prompt's first KV blocks' preferred replica (under a load "
                         "bound), else the least loaded; or always the least loaded (default: prefix-affinity)")
     r.add_argument("--config", default=None, metavar="FILE.yaml",
-                   help="run the pools a Ray Serve config describes (e.g. from `tokenfab plan capacity "
+                   help="serve flags from a YAML or JSON file (e.g. from `tokenfab tune`; flags given here "
+                        "win), or a Ray Serve config to run its pools (e.g. from `tokenfab plan capacity "
                         "--emit serve-config`) instead of --replicas")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="log level (default: info)")
-    p.set_defaults(func=serve_command)
+    p.set_defaults(func=serve_command, config_parser=p,
+                   config_defaults=lambda path: _flag_defaults(p, path))
+
+
+def _flag_defaults(parser: argparse.ArgumentParser, path: str) -> dict | None:
+    from tokenfab.server.config_file import flag_defaults
+    return flag_defaults(parser, path)
 
 
 def server_config_from_args(args: argparse.Namespace):

@@ -19,7 +19,7 @@ from tokenfab.server.errors import APIError
 from tokenfab.server.limits import check_request, logit_bias_ids
 from tokenfab.server.logprobs import completion_logprobs, echo_logprobs
 from tokenfab.server.protocol import CompletionRequest
-from tokenfab.server.state import ClientGone, ServerState, usage
+from tokenfab.server.state import ServerState, usage
 from tokenfab.server.streaming import ChoiceDelta, framed, merged, sse, sse_response
 from tokenfab.server.structured import check_compiles, requested_structure
 
@@ -59,11 +59,7 @@ async def create_completion(request: Request) -> Response:
         return sse_response(framed(_stream(st, req, rid, streams, prompt_ids, echoes, params.n, access, arrival),
                                    streams, access), rid)
 
-    try:
-        finals = await st.collect(request, streams)
-    except ClientGone:
-        access["outcome"] = "client_disconnected"
-        return Response(status_code=499)
+    finals = await st.collect(request, streams)
     choices, completion_tokens = [], 0
     for i, out in enumerate(finals):
         for o in out.outputs:

@@ -14,7 +14,7 @@ import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -127,6 +127,16 @@ def _lone_surrogate(s: str) -> bool:
         return True
 
 
+def renamed(e: APIError, renames: list[tuple[re.Pattern, str]]) -> APIError:
+    """`e` with the field names in its message and param rewritten by `renames` ((pattern, replacement)
+    pairs): a route that maps its body onto a chat request speaks of its own fields in its errors."""
+    message, param = e.message, e.param
+    for pattern, repl in renames:
+        message = pattern.sub(repl, message)
+        param = pattern.sub(repl, param) if param else param
+    return APIError(e.status, message, param=param, code=e.code, type=e.type, headers=e.headers)
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -169,7 +179,18 @@ def from_validation_errors(errors: list[dict]) -> APIError:
     return APIError(400, f"{where}{msg}{shown}", param=param, code="invalid_value")
 
 
+class ClientGone(Exception):
+    """The client disconnected before its whole (not streamed) response was ready; its requests are aborted."""
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone) -> Response:
+        access = getattr(request.state, "access", None)
+        if access is not None:
+            access["outcome"] = "client_disconnected"
+        return Response(status_code=499)     # nginx's "client closed request": nobody reads it
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response(request.url.path)
@@ -185,8 +206,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            err = APIError(404, f"no route {request.method} {request.url.path}; see /v1/models, "
-                                "/v1/completions, /v1/chat/completions, /v1/messages", code="route_not_found")
+            err = APIError(404, f"no route {request.method} {request.url.path}; see /v1/models, /v1/completions, "
+                                "/v1/chat/completions, /v1/responses, /v1/messages", code="route_not_found")
         elif exc.status_code == 405:
             err = APIError(405, f"{request.method} is not allowed on {request.url.path}",
                            code="method_not_allowed", headers=dict(exc.headers or {}))

@@ -14,6 +14,8 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024    # OpenAI's own bound is a few hundred; vocabularies hold ~50-150k ids
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)   # what torch.Generator.manual_seed takes
+MAX_METADATA_KEYS = 16           # OpenAI's bounds on `metadata` (batches, responses): 16 keys of 64
+MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512    # characters, each to 512 characters
 
 
 def check_request(req, config: ServerConfig, num_prompts: int, vocab_size: int) -> None:
@@ -66,3 +68,13 @@ def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int) -> dict[int, 
                            param="logit_bias", code="invalid_value")
         out[tid] = float(value)
     return out
+
+
+def check_metadata(metadata) -> None:
+    """OpenAI's `metadata`: at most 16 string keys (64 characters) mapped to strings (512 characters)."""
+    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= MAX_METADATA_KEYS and all(
+            isinstance(k, str) and len(k) <= MAX_METADATA_KEY_CHARS and isinstance(v, str)
+            and len(v) <= MAX_METADATA_VALUE_CHARS for k, v in metadata.items())):
+        raise APIError(400, f"metadata must map at most {MAX_METADATA_KEYS} keys ({MAX_METADATA_KEY_CHARS} "
+                            f"characters) to strings ({MAX_METADATA_VALUE_CHARS} characters)", param="metadata",
+                       code="invalid_value")

@@ -37,11 +37,11 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from tokenfab.server import chat
-from tokenfab.server.errors import APIError, from_validation_errors
+from tokenfab.server.errors import APIError, from_validation_errors, renamed
 from tokenfab.server.messages_protocol import CountTokensRequest, MessagesRequest
 from tokenfab.server.messages_reply import anthropic_error_event, content_blocks, message_events, stop_reason
 from tokenfab.server.protocol import ChatCompletionRequest
-from tokenfab.server.state import ClientGone, ServerState
+from tokenfab.server.state import ServerState
 from tokenfab.server.streaming import framed, sse_response
 
 router = APIRouter()
@@ -71,11 +71,7 @@ async def create_message(request: Request) -> Response:
     if req.stream:
         events = message_events(rid, req.model, stream, p.reply, req.stop_sequences, access, arrival)
         return sse_response(framed(events, [stream], access, error_event=anthropic_error_event, done=None), rid)
-    try:
-        (final,) = await st.collect(request, [stream])
-    except ClientGone:
-        access["outcome"] = "client_disconnected"
-        return Response(status_code=499)
+    (final,) = await st.collect(request, [stream])
     (o,) = final.outputs
     content, finish_reason = content_blocks(p.reply, o.text, o.finish_reason)
     reason, sequence = stop_reason(finish_reason, o.stop_reason, req.stop_sequences)
@@ -123,13 +119,10 @@ _RENAMES = [(re.compile(r"tools\[(\d+)\]\.function\.parameters"), r"tools[\1].in
 
 
 def _in_anthropic_terms(e: APIError) -> APIError:
-    message, param = e.message, e.param
-    for pattern, repl in _RENAMES:
-        message = pattern.sub(repl, message)
-        param = pattern.sub(repl, param) if param else param
-    if param == "stop":
-        param = "stop_sequences"
-    return APIError(e.status, message, param=param, code=e.code, type=e.type, headers=e.headers)
+    e = renamed(e, _RENAMES)
+    if e.param == "stop":
+        e.param = "stop_sequences"
+    return e
 
 
 # -- the request: Messages -> chat ---------------------------------------------------------------

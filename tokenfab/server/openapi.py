@@ -19,6 +19,7 @@ from pydantic.json_schema import models_json_schema
 from tokenfab.server.errors import anthropic_path
 from tokenfab.server.messages_protocol import CountTokensRequest, MessagesRequest
 from tokenfab.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from tokenfab.server.responses_protocol import ResponsesRequest
 
 
 class _Out(BaseModel):
@@ -171,6 +172,49 @@ class TokenCountResponse(_Out):
     input_tokens: int
 
 
+class OutputItem(_Out):
+    id: str
+    type: Literal["message", "function_call", "reasoning"]
+
+
+class InputItem(_Out):
+    id: str
+    type: Literal["message", "function_call", "function_call_output", "reasoning"]
+
+
+class ResponseUsage(_Out):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class ResponseObject(_Out):
+    """/v1/responses (server/responses.py): a response, as created, streamed at the end, or stored."""
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    model: str
+    output: list[OutputItem]
+    usage: ResponseUsage | None
+    previous_response_id: str | None
+    store: bool
+
+
+class ResponseDeleted(_Out):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool
+
+
+class InputItemList(_Out):
+    object: Literal["list"]
+    data: list[InputItem]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class HealthResponse(_Out):
     status: str
 
@@ -184,12 +228,17 @@ _SSE = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"],
     "properties": {"data": {"type": "string", "description": "a JSON chunk (chat.completion.chunk or "
                             "text_completion), an {\"error\": ...} object, or [DONE] at the end; on "
-                            "/v1/messages, one of Anthropic's events, each after its event: line"}}}}}
+                            "/v1/responses, one of the Responses API's typed events, and on /v1/messages one of "
+                            "Anthropic's, each after its event: line"}}}}}
 # (path, method) -> (request model or None, 200 response model or "text", streamed?, error statuses)
 _GENERATION_ERRORS = (400, 401, 404, 413, 429, 500, 503)
 ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, type[BaseModel] | str, bool, tuple[int, ...]]] = {
     ("/v1/completions", "post"): (CompletionRequest, CompletionResponse, True, _GENERATION_ERRORS),
     ("/v1/chat/completions", "post"): (ChatCompletionRequest, ChatCompletionResponse, True, _GENERATION_ERRORS),
+    ("/v1/responses", "post"): (ResponsesRequest, ResponseObject, True, _GENERATION_ERRORS + (403,)),
+    ("/v1/responses/{response_id}", "get"): (None, ResponseObject, False, (401, 404)),
+    ("/v1/responses/{response_id}", "delete"): (None, ResponseDeleted, False, (401, 404)),
+    ("/v1/responses/{response_id}/input_items", "get"): (None, InputItemList, False, (400, 401, 404)),
     ("/v1/messages", "post"): (MessagesRequest, MessageResponse, True, _GENERATION_ERRORS + (403,)),
     ("/v1/messages/count_tokens", "post"): (CountTokensRequest, TokenCountResponse, False, (400, 401, 403, 404, 413)),
     ("/tokenize", "post"): (TokenizeRequest, TokenizeResponse, False, (400, 401, 404, 413)),
@@ -254,7 +303,7 @@ _OTHER_ERRORS = (400, 401, 404, 413, 500, 503)
 _ERROR_TEXT = {400: "invalid request (the error names the field: param, and a machine-readable code)",
                401: "missing or wrong API key (servers started with --api-key)",
                403: "the API key may not use this model (--api-keys-file)",
-               404: "unknown model, file or batch", 413: "request body or file over its size limit",
+               404: "unknown model, file, batch or stored response", 413: "request body or file over its size limit",
                429: "too many requests waiting (Retry-After)", 500: "the request failed inside the engine",
                503: "the engine has stopped or the server is shutting down"}
 

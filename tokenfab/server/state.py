@@ -23,15 +23,11 @@ from tokenfab.engine.streams import RequestStream
 from tokenfab.outputs import RequestOutput
 from tokenfab.sampling import SamplingParams
 from tokenfab.server.config import ServerConfig
-from tokenfab.server.errors import APIError, from_validation_errors, parse_json_object
+from tokenfab.server.errors import APIError, ClientGone, from_validation_errors, parse_json_object
 from tokenfab.server.logprobs import TokenText
 from tokenfab.server.metrics import ServerMetrics
 
 log = logging.getLogger("tokenfab.server")
-
-
-class ClientGone(Exception):
-    """The client disconnected before its response was ready."""
 
 
 @dataclass
@@ -88,7 +84,7 @@ class ServerState:
             raise APIError(403, f"the API key {key.name!r} may not use the model {model!r}; it may use "
                                 f"{', '.join(repr(m) for m in key.models)}", param="model", code="model_not_allowed")
         if key.service_classes is not None and hasattr(req, "service_tier"):
-            cls = service_class_of(req.service_tier, req.priority, self.config.batch_priority)
+            cls = service_class_of(req.service_tier, getattr(req, "priority", 0), self.config.batch_priority)
             if cls not in key.service_classes:
                 raise APIError(403, f"the API key {key.name!r} may not send {cls!r} requests (service_tier / "
                                     f"priority); it may send {', '.join(key.service_classes)}",

@@ -120,6 +120,19 @@ static inline float tf_hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* acc + the 8 lane sums of int16 x int16 pairs: one `vpdpwssd` where the build has AVX512-VNNI (+VL) or
+ * AVX-VNNI, else `vpmaddwd` and an add (the same exact int32 result either way: a pair's sum fits, and
+ * neither form saturates). */
+static inline __attribute__((always_inline)) __m256i tf_dpwssd(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 /* A block's 32 weights widened to int16: w[0] holds weights 0..15, w[1] weights 16..31. */
 static inline __attribute__((always_inline)) void tf_load_weights(const void *q, int64_t b, int64_t bits, __m256i w[2]) {
     if (bits == 4) {

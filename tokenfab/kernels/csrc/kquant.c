@@ -201,10 +201,8 @@ static inline __attribute__((always_inline)) void tf_q4k_row(const int M, float 
             const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo), w3 = _mm256_srli_epi16(v, 12);
             for (int r = 0; r < M; r++) {
                 const __m256i *xr = (const __m256i *)(xp + r * K + s * 256 + c * 64);
-                const __m256i plo = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xr)),
-                                                     _mm256_madd_epi16(w1, _mm256_loadu_si256(xr + 1)));
-                const __m256i phi = _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_loadu_si256(xr + 2)),
-                                                     _mm256_madd_epi16(w3, _mm256_loadu_si256(xr + 3)));
+                const __m256i plo = tf_dpwssd(_mm256_madd_epi16(w0, _mm256_loadu_si256(xr)), w1, _mm256_loadu_si256(xr + 1));
+                const __m256i phi = tf_dpwssd(_mm256_madd_epi16(w2, _mm256_loadu_si256(xr + 2)), w3, _mm256_loadu_si256(xr + 3));
                 acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_broadcast_ss(sx[r] + 2 * c), acc[r][0]);
                 acc[r][H] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), _mm256_broadcast_ss(sx[r] + 2 * c + 1), acc[r][H]);
             }
@@ -247,8 +245,7 @@ static inline __attribute__((always_inline)) void tf_q6k_row(const int M, float 
                 const int64_t b = s * 8 + h * 4 + j;
                 for (int r = 0; r < M; r++) {
                     const __m256i *xr = (const __m256i *)(xp + r * K + b * 32);
-                    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(we, _mm256_loadu_si256(xr)),
-                                                       _mm256_madd_epi16(wo, _mm256_loadu_si256(xr + 1)));
+                    const __m256i p = tf_dpwssd(_mm256_madd_epi16(we, _mm256_loadu_si256(xr)), wo, _mm256_loadu_si256(xr + 1));
                     acc[r][j & H] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
                                                     _mm256_mul_ps(ws, _mm256_broadcast_ss(dx + r * nb + b)),
                                                     acc[r][j & H]);
@@ -305,9 +302,8 @@ static inline __attribute__((always_inline)) void tf_q40_row(const int M, float 
         const __m256 d = _mm256_set_m128(_mm_set1_ps(two ? tf_f16(b0 + 18) : 0.f), _mm_set1_ps(tf_f16(b0)));
         for (int r = 0; r < M; r++) {
             const __m256i *xr = (const __m256i *)(xp + r * stride + b * 32);
-            const __m256i p = _mm256_add_epi32(
-                _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xr)), _mm256_madd_epi16(w1, _mm256_loadu_si256(xr + 1))),
-                _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_loadu_si256(xr + 2)), _mm256_madd_epi16(w3, _mm256_loadu_si256(xr + 3))));
+            const __m256i p = _mm256_add_epi32(tf_dpwssd(_mm256_madd_epi16(w0, _mm256_loadu_si256(xr)), w1, _mm256_loadu_si256(xr + 1)),
+                                               tf_dpwssd(_mm256_madd_epi16(w2, _mm256_loadu_si256(xr + 2)), w3, _mm256_loadu_si256(xr + 3)));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d, _mm256_loadu_ps(dx8 + r * stride / 8 + b * 4)),
                                      acc[r]);
         }

@@ -47,8 +47,8 @@ void tf_quantize_blocks(const float *x, int64_t n, int16_t *xq, float *dx) {
 
 /* 8 partial sums of one block's integer dot product, as floats. */
 static inline __attribute__((always_inline)) __m256 tf_block_dot(const __m256i w[2], const int16_t *xb) {
-    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)xb)),
-                                       _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(xb + 16))));
+    const __m256i p = tf_dpwssd(_mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)xb)), w[1],
+                                _mm256_loadu_si256((const __m256i *)(xb + 16)));
     return _mm256_cvtepi32_ps(p);
 }
 
@@ -190,8 +190,8 @@ static inline __attribute__((always_inline)) __m256 tf_qgemm4_scales(const float
 
 /* The pair's integer dots (lanes 0-3: block b, 4-7: block b + 1) against activation vectors x[0..3]. */
 static inline __attribute__((always_inline)) __m256i tf_qgemm4_dot(const __m256i w[4], const __m256i x[4]) {
-    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(w[0], x[0]), _mm256_madd_epi16(w[1], x[1])),
-                            _mm256_add_epi32(_mm256_madd_epi16(w[2], x[2]), _mm256_madd_epi16(w[3], x[3])));
+    return _mm256_add_epi32(tf_dpwssd(_mm256_madd_epi16(w[0], x[0]), w[1], x[1]),
+                            tf_dpwssd(_mm256_madd_epi16(w[2], x[2]), w[3], x[3]));
 }
 
 /* Blocks b and b + 1 of one weight row against M activation rows (laid out by tf_qgemm4_prep). */

@@ -176,8 +176,8 @@ static inline __attribute__((always_inline)) void tf_qmadd_tile(const int R, con
                     int32_t pair;
                     memcpy(&pair, xb + r * K + 2 * i, 4);
                     const __m256i xv = _mm256_set1_epi32(pair);
-                    s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(w0, xv));
-                    s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(w1, xv));
+                    s[r][0] = tf_dpwssd(s[r][0], w0, xv);
+                    s[r][1] = tf_dpwssd(s[r][1], w1, xv);
                 }
             }
             const float *st = sc + (b * S + t) * 16;

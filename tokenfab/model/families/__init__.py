@@ -79,4 +79,4 @@ def for_gguf(arch: str | None) -> Family | None:
 
 
 from tokenfab.model.families import (  # noqa: E402,F401  (they register)
-    gemma3, granite, llama, mixtral, olmoe, phi3, qwen, qwen3_moe, smollm3)
+    gemma3, gpt_oss, granite, llama, mixtral, olmoe, phi3, qwen, qwen3_moe, smollm3)
