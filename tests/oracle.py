@@ -103,15 +103,16 @@ TINY_CONFIGS = {
 }
 
 
-def make_tiny_model(kind: str, folder: str, tokenizer, seed: int = 0):
-    """A random-weight HF model of `kind` saved to `folder` with the given tokenizer; returns the HF model.
+def make_tiny_model(kind: str, folder: str, tokenizer, seed: int = 0, **overrides):
+    """A random-weight HF model of `kind` (config keys changed by `overrides`) saved to `folder` with the
+    given tokenizer; returns the HF model.
 
     Weights use a larger init scale than HF's default so logits are peaked and greedy choices are
     not near-ties that float rounding could flip.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kw = dict(TINY_CONFIGS[kind])
+    kw = dict(TINY_CONFIGS[kind], **overrides)
     model_type = kw.pop("model_type")
     cfg = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), max_position_embeddings=1024,
                                initializer_range=0.2, bos_token_id=tokenizer.bos_token_id,

@@ -18,6 +18,7 @@ _COMMAND_MODULES = [
     "tokenfab.server.cli",   # serve
     "tokenfab.bench.cli",    # bench
     "tokenfab.quant.cli",    # quant
+    "tokenfab.quant.prune_cli",    # prune
     "tokenfab.plan.cli",     # plan
     "tokenfab.doctor.cli",   # doctor
     "tokenfab.server.batch_cli",   # batch run

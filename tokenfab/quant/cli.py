@@ -14,17 +14,17 @@ import json
 import sys
 
 EVAL_WORD = "eval"
-_WRITE_ONLY = ("scheme", "out", "calib", "calib_tokens")
+_WRITE_ONLY = ("scheme", "out", "calib", "calib_tokens", "max_kl")
 _EVAL_ONLY = ("base", "candidate", "text", "ctx", "max_windows", "plot", "sensitivity", "sensitivity_by",
-              "kv_cache_dtype", "kernel")
+              "kv_cache_dtype", "kernel", "speed")
 
 
 def add_parser(subs) -> None:
     p = subs.add_parser(
         "quant", add_help=False, help="quantize a model to a checkpoint folder, or evaluate quality against full precision",
-        usage="tokenfab quant [MODEL] --scheme SCHEME --out DIR [--calib FILE] [--keep-float NAMES]\n"
+        usage="tokenfab quant [MODEL] --scheme SCHEME --out DIR [--calib FILE] [--keep-float NAMES] [--max-kl KL]\n"
               "       tokenfab quant eval [--base MODEL] --candidate MODEL_OR_SCHEME [--text FILE] [--ctx N] "
-              "[--json] [--plot PNG] [--sensitivity]",
+              "[--json] [--plot PNG] [--sensitivity] [--speed [N]]",
         description="Write: quantize MODEL's float weights (default: the bundled model) with SCHEME into a folder "
                     "that `LLM(model=DIR)` and `tokenfab serve DIR` load. Eval: KL divergence, same top-1, Δp and "
                     "perplexity of a candidate against the float base, as llama.cpp's perplexity tool reports them.")
@@ -35,7 +35,11 @@ def add_parser(subs) -> None:
     w.add_argument("--out", metavar="DIR", help="folder to write (new, empty, or an earlier tokenfab checkpoint)")
     w.add_argument("--calib", metavar="FILE", help="calibration text for AWQ schemes "
                    "(default: the bundled text's calibration slice, disjoint from what eval scores)")
-    w.add_argument("--calib-tokens", type=int, metavar="N", default=None, help="calibration tokens for AWQ (default: 1024)")
+    w.add_argument("--calib-tokens", type=int, metavar="N", default=None,
+                   help="calibration tokens for AWQ (default: 1024) or --max-kl (default: 256)")
+    w.add_argument("--max-kl", type=float, metavar="KL", default=None,
+                   help="automatic mixed precision: each decoder linear takes --scheme (default int4-g32), int8 or "
+                        "float, the fewest bytes whose mean KL on the calibration text is at most KL")
     _eval_args(p.add_argument_group("eval"))
     _common_args(p.add_argument_group("both"))
     # `quant eval --help` shows eval's own help (one parser serves both forms, so argparse cannot).
@@ -68,6 +72,9 @@ def _eval_args(e) -> None:
     e.add_argument("--plot", metavar="PNG", help="write a histogram of per-token KL")
     e.add_argument("--sensitivity", action="store_true",
                    help="add the per-layer table: KL on the first window when only that layer is quantized")
+    e.add_argument("--speed", type=int, nargs="?", const=32, default=None, metavar="TOKENS",
+                   help="also time both models' single-stream greedy decode of TOKENS tokens (default 32), "
+                        "alternately in this run, and report tokens/s beside the KL")
     e.add_argument("--sensitivity-by", choices=("block", "linear", "kind"), default=None,
                    help="what one row quantizes: a decoder block (default), one linear, or one kind (q/k/v...)")
 
@@ -134,33 +141,53 @@ def _status():
 
 def cmd_write(args) -> int:
     from tokenfab.cli_errors import CLIError
+    mixed = args.max_kl is not None
+    if mixed and not args.scheme:
+        args.scheme = "int4-g32"
     if not args.scheme or not args.out:
         raise CLIError("writing a checkpoint needs --scheme (int8, int4-g32, int4-g64, int4-g128, awq-int4-g128) "
-                       "and --out DIR; to evaluate, use `tokenfab quant eval --candidate ...`")
+                       "or --max-kl, and --out DIR; to evaluate, use `tokenfab quant eval --candidate ...`")
     scheme = _validate_scheme(args.scheme)
     if args.calib_tokens is not None and args.calib_tokens < 2:
         raise CLIError(f"--calib-tokens must be at least 2, got {args.calib_tokens}")
+    if mixed and not args.max_kl > 0:
+        raise CLIError(f"--max-kl must be a positive KL in nats, e.g. 0.01, got {args.max_kl}")
+    if mixed and args.keep_float is not None:
+        raise CLIError("--max-kl chooses which decoder linears stay float; --keep-float does not apply to it "
+                       "(embeddings and LM head stay float)")
     _threads(args)
-    from tokenfab.quant.export import DEFAULT_CALIB_TOKENS, quantize_to_folder
+    from tokenfab.quant.export import DEFAULT_CALIB_TOKENS, DEFAULT_MIXED_CALIB_TOKENS, quantize_to_folder
     from tokenfab.quant.schemes import parse_scheme
-    if args.calib and not parse_scheme(scheme).awq:
-        print(f"note: --calib is only used by AWQ schemes; {scheme} is plain round-to-nearest", file=sys.stderr)
+    if args.calib and not parse_scheme(scheme).awq and not mixed:
+        print(f"note: --calib is only used by AWQ schemes and --max-kl; {scheme} is plain round-to-nearest",
+              file=sys.stderr)
+    tokens = args.calib_tokens or (DEFAULT_MIXED_CALIB_TOKENS if mixed else DEFAULT_CALIB_TOKENS)
     with _status() as status:
-        res = quantize_to_folder(args.target, scheme, args.out, calib_path=args.calib,
-                                 calib_tokens=args.calib_tokens or DEFAULT_CALIB_TOKENS,
-                                 keep_float=_keep_float(args), progress=status.update)
+        res = quantize_to_folder(args.target, scheme, args.out, calib_path=args.calib, calib_tokens=tokens,
+                                 keep_float=_keep_float(args), progress=status.update, max_kl=args.max_kl)
     info = {"out": res.out, "scheme": res.scheme, "quantized_linears": res.quantized, "kept_float": res.kept_float,
             "weight_bytes_before": res.float_bytes, "weight_bytes_after": res.quant_bytes,
             "calib_tokens": res.calib_tokens, "seconds": round(res.seconds, 1)}
+    if res.mixed is not None:
+        info["mixed"] = res.mixed
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
     from rich.console import Console
     Console().print(f"[bold]{res.scheme}[/]: {res.quantized} linears quantized "
                     f"({res.float_bytes / 2**20:,.1f} MiB → {res.quant_bytes / 2**20:,.1f} MiB), kept float: "
-                    f"{', '.join(res.kept_float) or 'none'}; {res.seconds:.0f} s\nwrote {res.out} "
+                    f"{_kept_text(res)}; {res.seconds:.0f} s\nwrote {res.out} "
                     f"(load it with LLM(model={res.out!r}) or `tokenfab serve {res.out}`)")
     return 0
+
+
+def _kept_text(res) -> str:
+    if res.mixed is None:
+        return ", ".join(res.kept_float) or "none"
+    m = res.mixed
+    counts = ", ".join(f"{n} {f}" for f, n in m["counts"].items())
+    return (f"{counts} (mean KL {m['measured_kl']:.5f} on the calibration text, budget {m['max_kl']}; all-int8 "
+            f"would be {m['bytes_by_format']['int8'] / 2**20:,.1f} MiB)")
 
 
 def _threads(args) -> None:
@@ -200,12 +227,14 @@ def cmd_eval(args) -> int:
         raise CLIError(f"--max-windows must be 0 (all) or positive, got {max_windows}")
     if args.text and not os.path.isfile(args.text):
         raise CLIError(f"--text {args.text}: no such file")
+    if args.speed is not None and args.speed < 2:
+        raise CLIError(f"--speed needs at least 2 tokens to time, got {args.speed}")
     _threads(args)
     with _status() as status:
         res = evaluate(args.base, args.candidate, text=args.text, ctx=ctx, max_windows=max_windows,
                        sensitivity=args.sensitivity, sensitivity_by=args.sensitivity_by or "block",
                        keep_float=_keep_float(args), kv_cache_dtype=args.kv_cache_dtype or "auto",
-                       kernel=args.kernel or "auto", progress=status.update)
+                       kernel=args.kernel or "auto", speed_tokens=args.speed or 0, progress=status.update)
     if args.plot:
         from tokenfab.quant.eval import kl_histogram_png
         kl_histogram_png(res.stats.kl, args.plot, title=f"KL(base ‖ {args.candidate}) per token, "
@@ -232,6 +261,10 @@ def _print_eval(res, plot: str | None) -> None:
     for k, v in res.report.rows():
         t.add_row(k, v)
     con.print(t)
+    if res.speed is not None:
+        sp = res.speed
+        con.print(f"decode speed ({sp.tokens} greedy tokens, one stream): base {sp.base_tokens_per_s:.1f} tok/s, "
+                  f"candidate {sp.candidate_tokens_per_s:.1f} tok/s ({sp.speedup:.2f}x)")
     if res.sensitivity is not None:
         s = Table(title=f"per-layer sensitivity: {res.sensitivity_scheme} on one group at a time (first window)")
         for col in ("layers", "mean KL", "max KL", "same top-1"):

@@ -14,6 +14,9 @@ The candidate is one of:
 `kv_cache_dtype="int8"` runs the candidate's attention over the int8 KV cache (attention.py), so its
 cost shows on its own (candidate `none`) or on top of a weight scheme.
 
+`speed_tokens` > 0 adds both models' single-stream greedy decode speed (speed.py), timed alternately
+in the same run, so a pruned or quantized candidate's tokens/s stands beside its KL.
+
 `kernel`: the quantized layers' path. "auto" picks per call by token count, and a window of 512
 tokens is many tokens: it dequantizes, so the numbers are the weights' error alone. "packed" forces
 the CPU kernels that decode steps use (bfloat16 activations), adding their rounding.
@@ -34,6 +37,7 @@ GGUF_CANDIDATE = "gguf"
 FLOAT_CANDIDATE = "none"
 DEFAULT_CTX = 512
 DEFAULT_MAX_WINDOWS = 2       # ~1,000 scored tokens: a short default run; raise it for tighter error bars
+SPEED_PROMPT_TOKENS = 32      # the decode-speed prompt: the first tokens of the first window
 
 
 def candidate_kind(candidate: str) -> str:
@@ -56,6 +60,25 @@ class SensitivityRow:
 
 
 @dataclass
+class DecodeSpeed:
+    """Single-stream greedy decode tokens/s of both models, timed alternately in one run (speed.py)."""
+    tokens: int
+    base_tokens_per_s: float
+    candidate_tokens_per_s: float
+    speedup: float
+
+
+def measure_speeds(base_model, cand_model, prompt: list[int], tokens: int, rounds: int = 2) -> DecodeSpeed:
+    """The best of `rounds` alternating timings of each model (a busy machine slows single runs)."""
+    from tokenfab.quant.speed import decode_speed
+    base, cand = 0.0, 0.0
+    for _ in range(rounds):
+        base = max(base, decode_speed(base_model, prompt, tokens)[0])
+        cand = max(cand, decode_speed(cand_model, prompt, tokens)[0])
+    return DecodeSpeed(tokens, round(base, 2), round(cand, 2), round(cand / base, 3))
+
+
+@dataclass
 class EvalResult:
     base: str
     candidate: str
@@ -68,11 +91,14 @@ class EvalResult:
     seconds: float = 0.0
     sensitivity: list[SensitivityRow] | None = None
     sensitivity_scheme: str | None = None
+    speed: DecodeSpeed | None = None
 
     def as_dict(self) -> dict:
         d = {"base": self.base, "candidate": self.candidate, "kv_cache_dtype": self.kv_cache_dtype,
              "kernel": self.kernel, "ctx": self.ctx, "windows": self.windows,
              "seconds": round(self.seconds, 2), **self.report.as_dict()}
+        if self.speed is not None:
+            d["decode_speed"] = vars(self.speed)
         if self.sensitivity is not None:
             d["sensitivity"] = {"scheme": self.sensitivity_scheme,
                                 "rows": [vars(r) for r in self.sensitivity]}
@@ -116,8 +142,9 @@ def build_candidate(base_files, candidate: str, max_positions: int, calib_window
 def evaluate(base: str | None, candidate: str, *, text: str | None = None, ctx: int = DEFAULT_CTX,
              max_windows: int | None = DEFAULT_MAX_WINDOWS, sensitivity: bool = False, sensitivity_by: str = "block",
              keep_float: list[str] | None = None, kv_cache_dtype: str = "auto", kernel: str = "auto", base_files=None,
-             progress: Callable[[str], None] | None = None) -> EvalResult:
-    """Run the comparison. `base_files`: the base's files already read (tests reuse one read)."""
+             speed_tokens: int = 0, progress: Callable[[str], None] | None = None) -> EvalResult:
+    """Run the comparison. `base_files`: the base's files already read (tests reuse one read).
+    `speed_tokens` > 0: also time both models' greedy decode of that many tokens (speed.py)."""
     from tokenfab.model.llama import full_logits
     from tokenfab.model.loader import load_model_files
     from tokenfab.quant.export import build_float_model, calibration_windows
@@ -135,13 +162,14 @@ def evaluate(base: str | None, candidate: str, *, text: str | None = None, ctx: 
         ids = split_eval_calib(ids)[0]      # the calibration slice stays unseen by evaluation
     windows = token_windows(ids, ctx, max_windows)
     say(f"base {files.path} (float), {len(windows)} windows of {ctx} tokens")
-    base_model = build_float_model(files, ctx + 1, "none")
+    positions = max(ctx, SPEED_PROMPT_TOKENS + speed_tokens) + 1
+    base_model = build_float_model(files, positions, "none")
 
     def calib() -> list[list[int]]:
         return calibration_windows(files.tokenizer, None, 1024)
 
     say(f"candidate {candidate}")
-    cand_model = build_candidate(files, candidate, ctx + 1, calib, keep_float)
+    cand_model = build_candidate(files, candidate, positions, calib, keep_float)
     set_kernel(cand_model, kernel)
     parts: list[TokenStats] = []
     first_base_logits = None
@@ -152,10 +180,14 @@ def evaluate(base: str | None, candidate: str, *, text: str | None = None, ctx: 
         rows, targets = next_token_targets(torch.tensor(w))
         cl = full_logits_int8_kv(cand_model, w) if kv_cache_dtype == "int8" else full_logits(cand_model, w)
         parts.append(token_stats(bl[rows], cl[rows], targets))
+    speed = None
+    if speed_tokens:
+        say(f"decode speed, {speed_tokens} tokens each")
+        speed = measure_speeds(base_model, cand_model, windows[0][:SPEED_PROMPT_TOKENS], speed_tokens)
     del cand_model
     stats = TokenStats(*(torch.cat([getattr(p, f) for p in parts]) for f in TokenStats.__dataclass_fields__))
     result = EvalResult(files.path if base is None else base, candidate, kv_cache_dtype, kernel, ctx, len(windows),
-                        summarize(stats), stats)
+                        summarize(stats), stats, speed=speed)
 
     if sensitivity:
         result.sensitivity_scheme = sens_scheme

@@ -21,6 +21,8 @@ import torch
 from tokenfab.quant.schemes import parse_scheme
 
 DEFAULT_CALIB_TOKENS = 1024     # AWQ only; two windows of 512 (measured: enough for a stable alpha per layer)
+# mixed precision: every linear's sensitivity is two forward passes over these tokens (240 on the bundled model)
+DEFAULT_MIXED_CALIB_TOKENS = 256
 CALIB_CTX = 512
 
 
@@ -113,13 +115,17 @@ class ExportResult:
     quant_bytes: int          # and after
     calib_tokens: int
     seconds: float
+    mixed: dict | None = None     # with max_kl: the plan (quant/mixed.py), measured KL and formats included
 
 
 def quantize_to_folder(model: str | None, scheme: str, out: str, *, calib_path: str | None = None,
                        calib_tokens: int = DEFAULT_CALIB_TOKENS, keep_float: Sequence[str] | None = None,
-                       progress: Callable[[str], None] | None = None, files=None) -> ExportResult:
+                       progress: Callable[[str], None] | None = None, files=None,
+                       max_kl: float | None = None) -> ExportResult:
     """Load `model` (None: the bundled one) as float, quantize with `scheme`, write the folder.
 
+    `max_kl`: automatic mixed precision (quant/mixed.py): each decoder linear takes `scheme`, int8 or
+    float, the fewest bytes whose measured KL on the calibration windows is at most `max_kl`.
     `files`: `model`'s files already read by `load_model_files` (tests reuse one read)."""
     from tokenfab.model.loader import load_model_files
     from tokenfab.quant.apply import quantize_model
@@ -136,9 +142,11 @@ def quantize_to_folder(model: str | None, scheme: str, out: str, *, calib_path: 
     if is_quantized_checkpoint(files.path):
         raise ValueError(f"{files.path} is already a quantized checkpoint; quantize its float source instead")
     windows: list[list[int]] = []
-    if spec.awq:
+    if spec.awq or max_kl is not None:
         windows = calibration_windows(files.tokenizer, calib_path, calib_tokens)
     fmodel = build_float_model(files, max(CALIB_CTX, max((len(w) for w in windows), default=1)) + 1)
+    if max_kl is not None:
+        return _mixed_to_folder(files, fmodel, spec.name, out, windows, max_kl, progress, t0)
     if progress:
         progress(f"quantizing to {spec.name}" + (f", calibrating on {sum(map(len, windows))} tokens" if windows else ""))
     summary = quantize_model(fmodel, spec.name, keep_float, forward_windows(windows) if spec.awq else None,
@@ -148,3 +156,22 @@ def quantize_to_folder(model: str | None, scheme: str, out: str, *, calib_path: 
     files.tokenizer.save_pretrained(out)
     return ExportResult(out, spec.name, len(summary.quantized), summary.kept_float, summary.float_bytes,
                         summary.quant_bytes, sum(map(len, windows)), time.perf_counter() - t0)
+
+
+def _mixed_to_folder(files, fmodel, low: str, out: str, windows: list[list[int]], max_kl: float,
+                     progress: Callable[[str], None] | None, t0: float) -> ExportResult:
+    from tokenfab.quant.checkpoint import save_quantized
+    from tokenfab.quant.mixed import FLOAT, apply_formats, plan_mixed_precision
+
+    plan = plan_mixed_precision(fmodel, windows, max_kl, low, progress)
+    quantized = [n for n, f in plan.formats.items() if f != FLOAT]
+    if not quantized:
+        raise ValueError(f"a KL budget of {max_kl} kept every linear float; raise --max-kl to quantize")
+    apply_formats(fmodel, plan.formats)
+    tokens = sum(map(len, windows))
+    save_quantized(fmodel, out, scheme="mixed", model_config=hf_config_dict(files.config),
+                   extra={"source": files.path, "calib_tokens": tokens, "mixed": plan.as_dict()})
+    files.tokenizer.save_pretrained(out)
+    kept = [n for n, f in plan.formats.items() if f == FLOAT]
+    return ExportResult(out, "mixed", len(quantized), kept, plan.bytes_by_format[FLOAT], plan.bytes, tokens,
+                        time.perf_counter() - t0, plan.as_dict())
