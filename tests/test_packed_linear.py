@@ -83,6 +83,25 @@ def test_float_copy_kernel_serves_any_batch_with_the_dequantized_weight(make):
     assert q.plan.float_copy_bytes() == 0
 
 
+def test_int8_packed_kernel_runs_weights_that_do_not_start_on_64_bytes():
+    # a safetensors file maps its tensors at the header's offsets; _weight_int8pack_mm faulted on such
+    # weights at 4 rows (SIGSEGV), so the packed plan takes an aligned copy
+    if seam.get("packed").supports(Int8Linear.from_float(torch.randn(64, 64))) is not None:
+        pytest.skip("torch has no _weight_int8pack_mm here")
+    torch.manual_seed(0)
+    src = Int8Linear.from_float(torch.randn(192, 64) * 0.05)
+    raw = torch.empty(192 * 64 + 8, dtype=torch.int8)
+    shifted = raw[8:].view(192, 64)
+    shifted.copy_(src.qweight)
+    q = Int8Linear(shifted, src.scales)
+    assert q.qweight.data_ptr() % 64 != 0
+    q.kernel = "packed"
+    for rows in (1, 4, 17):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(q(x), F.linear(x, q.dequantize()), rtol=2e-2, atol=2e-2)
+    assert q.qweight.data_ptr() % 64 == 0
+
+
 # ------------------------------------------------------------------------------------------------ w8a8
 w8a8_only = pytest.mark.skipif(seam.get("w8a8").supports(W8A8Linear.from_float(torch.randn(16, 32))) is not None,
                                reason="needs FBGEMM")

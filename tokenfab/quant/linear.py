@@ -126,6 +126,11 @@ class Int8Linear(QuantLinear):
             if self.in_features % 32 == 0 else None
 
     def build_packed(self):
+        # _weight_int8pack_mm's AVX-512 path faults on int8 weights that do not start on 64 bytes, which
+        # tensors read from a safetensors file (mapped at the header's offsets) often do: an aligned copy
+        # replaces them (torch's CPU allocator aligns to 64)
+        if self.qweight.data_ptr() % 64:
+            self.qweight = self.qweight.clone()
         return self.scales.to(torch.bfloat16)
 
     def packed_matmul(self, state, x):
