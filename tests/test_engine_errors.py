@@ -131,6 +131,17 @@ def test_prompt_that_can_never_fit_in_the_pool_is_rejected_not_hung(bundled_file
     assert llm.engine.block_manager.num_used_blocks() == 0
 
 
+def test_without_chunked_prefill_a_prompt_over_the_step_budget_is_rejected_not_hung(bundled_files):
+    llm = LLM(loaded=bundled_files, quantization="none", enable_chunked_prefill=False, max_num_batched_tokens=64,
+              num_kv_blocks=32, block_size=16)
+    with pytest.raises(ValueError, match=r"prompt has 100 tokens but max_model_len is 64, limited by the token "
+                                         r"budget of 64 per step \(chunked prefill is off\)"):
+        llm.generate([[28] * 100], OK)
+    out = llm.generate([[28] * 60], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 4
+    assert llm.engine.block_manager.num_used_blocks() == 0
+
+
 @pytest.mark.parametrize("kwargs", [dict(temperature=float("inf")), dict(temperature=1e300),
                                     dict(repetition_penalty=1e-132), dict(repetition_penalty=float("inf")),
                                     dict(top_p=float("inf")), dict(min_p=float("nan"))])

@@ -114,6 +114,15 @@ def test_a_request_larger_than_the_pool_is_reported():
         simulate(COST, [Request(0, 0.0, 5000, 4)], replace(SCHED, num_kv_blocks=100))
 
 
+def test_a_request_over_an_unchunked_step_budget_is_reported_not_looped():
+    # the engine caps max_model_len at the budget when chunked prefill is off; the simulation refuses the same
+    with pytest.raises(ValueError, match="chunked prefill is off and a step holds 512"):
+        simulate(COST, [Request(0, 0.0, 1000, 4)], replace(SCHED, enable_chunked_prefill=False,
+                                                          max_num_batched_tokens=512))
+    assert len(simulate(COST, [Request(0, 0.0, 500, 4)], replace(SCHED, enable_chunked_prefill=False,
+                                                               max_num_batched_tokens=512)).requests) == 1
+
+
 def test_schedule_matches_the_engine_scheduler_step_for_step():
     sched_mod = pytest.importorskip("tokenfab.engine.scheduler")
     from tokenfab.engine.kv_cache import BlockManager

@@ -68,7 +68,8 @@ class LLMEngine(WorkerAttributes):
             self.spec = SpecDecoder(spec_cfg, self.max_model_len, mcfg.vocab_size, self.model, self.runner,
                                     self.block_manager, worker.draft, eos_token_ids=self.eos_token_ids)
         self.inputs = InputProcessor(self.tokenizer, mcfg.vocab_size, self.max_model_len,
-                                     num_blocks * config.block_size, self.structured, config.device)
+                                     num_blocks * config.block_size, self.structured, config.device,
+                                     None if config.enable_chunked_prefill else config.max_num_batched_tokens)
         self.outputs = OutputProcessor(mcfg.vocab_size)
         self.prompt_tokens_total = 0
         # step_observer(steps, start, end, busy), if set, sees every step: (cached tokens before, new

@@ -18,18 +18,20 @@ from tokenfab.sampling import SamplingParams
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, pool_tokens: int,
-                 structured: GrammarCompiler, device: str):
-        """`pool_tokens`: the KV pool's size in tokens (named when it is what limits max_model_len)."""
+                 structured: GrammarCompiler, device: str, step_tokens: int | None = None):
+        """`pool_tokens`: the KV pool's size in tokens; `step_tokens`: the token budget of a step when chunked
+        prefill is off (each is named when it is what limits max_model_len)."""
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
-        self.pool_tokens, self.structured, self.device = pool_tokens, structured, device
+        self.pool_tokens, self.step_tokens, self.structured, self.device = pool_tokens, step_tokens, structured, device
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
 
     def check_prompt_length(self, num_tokens: int) -> None:
         if num_tokens >= self.max_model_len:
-            why = (f", limited by the KV pool of {self.pool_tokens} tokens"
-                   if self.max_model_len == self.pool_tokens else "")
+            why = (f", limited by the token budget of {self.step_tokens} per step (chunked prefill is off)"
+                   if self.max_model_len == self.step_tokens else
+                   f", limited by the KV pool of {self.pool_tokens} tokens" if self.max_model_len == self.pool_tokens else "")
             raise ValueError(f"prompt has {num_tokens} tokens but max_model_len is {self.max_model_len}{why} "
                              f"(at least one token must be left to generate)")
 

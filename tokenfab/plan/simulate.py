@@ -324,6 +324,13 @@ class Simulator:
             if big.prompt_len + big.output_len > cfg.num_kv_blocks * cfg.block_size:
                 raise ValueError(f"request {big.id} needs {big.prompt_len + big.output_len} tokens of KV but the pool "
                                  f"holds {cfg.num_kv_blocks * cfg.block_size}; give more memory or shorter requests")
+        if not cfg.enable_chunked_prefill and requests:
+            # as the engine caps max_model_len at the step's budget: a prompt, or a preempted sequence's
+            # recompute, runs in one step
+            big = max(requests, key=lambda r: r.prompt_len + r.output_len)
+            if big.prompt_len + big.output_len > cfg.max_num_batched_tokens:
+                raise ValueError(f"request {big.id} needs {big.prompt_len + big.output_len} tokens in one step, but "
+                                 f"chunked prefill is off and a step holds {cfg.max_num_batched_tokens}")
         arrivals = deque(sorted(requests, key=lambda r: r.arrival))
         last_arrival = arrivals[-1].arrival if arrivals else 0.0
         done: list[_Seq] = []

@@ -59,7 +59,13 @@ def predict(measured_point: Point, measured: dict, bench_path: str, step_log: st
     f_span = _factor(measured.get("duration_s"), ref_span)
     out = {}
     for point in candidates:
-        done, span = _replay(cost, reqs, point)
+        try:
+            done, span = _replay(cost, reqs, point)
+        except ValueError:       # settings the workload cannot run under (a prompt over an unchunked budget)
+            out[point] = {"completed": 0, "failed": len(reqs), "duration_s": math.nan, "p99_ttft_ms": math.inf,
+                          "p99_tpot_ms": math.inf, "request_throughput": 0.0, "output_throughput": 0.0,
+                          "goodput": 0.0, "good_output_tok_s": 0.0}
+            continue
         rows = [(r.ttft_s * 1e3 * f_ttft, None if r.tpot_s is None else r.tpot_s * 1e3 * f_tpot, r.output_len)
                 for r in done]
         dur = max(span * f_span, 1e-9)

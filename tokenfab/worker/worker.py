@@ -121,6 +121,13 @@ class Worker:
         if max_model_len < max_len and config.max_model_len:
             log.warning("max_model_len %d lowered to %d: the KV pool holds only %d tokens",
                         max_len, max_model_len, num_blocks * config.block_size)
+        # Without chunked prefill a prompt, or a preempted sequence's recompute, runs in one step: a longer
+        # one would wait for a step that never comes.
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            if config.max_model_len:
+                log.warning("max_model_len %d lowered to %d: chunked prefill is off and a step holds at most "
+                            "max_num_batched_tokens", max_model_len, config.max_num_batched_tokens)
+            max_model_len = config.max_num_batched_tokens
         self.kv_pool_bytes = num_blocks * block_bytes
         sliding_blocks = 0
         if sliding_bytes:
