@@ -177,7 +177,7 @@ static void tf_kint_prep(const float *x, int64_t K, int16_t *xq, float *dx, int1
 #ifndef TF_KPF
 #define TF_KPF 1024
 #endif
-/* a super-block's bytes TF_KPF ahead of the one being read: rows are contiguous, so this streams through
+/* a block's bytes TF_KPF ahead of the one being read: rows are contiguous, so this streams through
  * the next rows at an even pace (the whole row 4 rows ahead at once, as the other kernels do, leaves the
  * long rows of K = 8192 waiting on memory) */
 static inline void tf_kprefetch(const uint8_t *blk, int bytes) {
@@ -303,6 +303,7 @@ static inline __attribute__((always_inline)) void tf_q40_row(const int M, float 
     for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b += 2) {
         const uint8_t *b0 = row + b * 18;
+        tf_kprefetch(b0, 36);
         const int two = b + 1 < nb;
         const __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + 2));
         const __m128i q1 = two ? _mm_loadu_si128((const __m128i *)(b0 + 20)) : _mm_set1_epi8((char)0x88);
@@ -489,9 +490,6 @@ static void tf_kint_cols(const void *job, int64_t n0, int64_t n1, float *y, int6
     const int64_t M = J->M, row_bytes = J->type == TF_Q4_0 ? J->K / 32 * 18 : J->K / 256 * tf_kquant_block_bytes(J->type);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = J->raw + n * row_bytes;
-        /* Q4_0: 4 rows ahead, as tf_qgemm_cols (the K-quant rows prefetch as they go, tf_kprefetch) */
-        if (J->type == TF_Q4_0)
-            for (int64_t l = 0; l < row_bytes; l += 64) __builtin_prefetch(row + 4 * row_bytes + l, 0, 3);
         float out[TF_MAX_ROWS];
         if (J->type == TF_Q4_K) {
             TF_ROWS_SWITCH(tf_q4k_row, out, J->xp, J->dx, J->xs, J->K, row)
