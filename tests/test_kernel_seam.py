@@ -84,7 +84,10 @@ def test_every_registered_kernel_matches_the_float_reference_at_every_row_count(
 
 
 def _table(key: str, times: dict[str, list[float]], rows=(1, 4, 16, 64)) -> KernelTable:
-    return KernelTable({key: {"rows": list(rows), "times": times}}, path=None)
+    """A table of `times` in units of 10 us, the scale of these small shapes' calls (the stack's absolute
+    gap, STACK_GAP_S, is in seconds)."""
+    return KernelTable({key: {"rows": list(rows), "times": {k: [None if t is None else t * 1e-5 for t in v]
+                                                             for k, v in times.items()}}}, path=None)
 
 
 def _int4_model(n: int = 2) -> nn.Module:
@@ -131,6 +134,51 @@ def test_above_the_small_stack_rows_a_float_copy_must_beat_the_stacks_own_kernel
                                "float": [4.0, 4.0, 4.0, 6.0, 6.0]}, rows)
     select_kernels(model, **kw, big_stack_rows=64)
     assert model[0].plan.names() == [(16, "qtile"), (None, "float")]
+
+
+def test_a_kernel_a_millisecond_a_call_faster_leaves_the_stack_even_when_less_than_2x_faster(monkeypatch):
+    # a 1B model's FFN (16384x2048) as a Zen 5 EPYC measured it, in seconds: at 32 rows the float copy is
+    # 1.97x faster than qmadd, short of STACK_MARGIN, but 12.4 ms a call faster; at 4 rows qgemm's 2.9 ms
+    # against the copy's 4.7 keeps the stack
+    for name in ("qgemm", "qmadd", "float"):
+        monkeypatch.setattr(seam.get(name), "supports", lambda layer: None)
+    monkeypatch.setattr(seam.get("float"), "prepare", lambda layer: object())
+    model = _int4_model(1)
+    key = model[0].shape_key()
+    ms = {"qgemm": [1.02, 2.89, 13.81, 25.34], "qmadd": [4.55, 5.82, 13.93, 25.21], "float": [4.28, 4.70, 8.67, 12.79]}
+    tbl = KernelTable({key: {"rows": [1, 4, 16, 32], "times": {k: [t * 1e-3 for t in v] for k, v in ms.items()}}},
+                      path=None)
+    select_kernels(model, max_rows=32, head_max_rows=8, table=tbl, autotune=False, float_copy_budget=1 << 30,
+                   stack_rows=4, big_stack_rows=32)
+    assert model[0].plan.names() == [(4, "qgemm"), (None, "float")]
+    # the same gaps at a hundredth of the time (a small model's shape): the stack keeps its kernels
+    tbl = KernelTable({key: {"rows": [1, 4, 16, 32], "times": {k: [t * 1e-5 for t in v] for k, v in ms.items()}}},
+                      path=None)
+    select_kernels(model, max_rows=32, head_max_rows=8, table=tbl, autotune=False, float_copy_budget=1 << 30,
+                   stack_rows=4, big_stack_rows=32)
+    assert model[0].plan.names() == [(16, "qgemm"), (None, "qmadd")]
+
+
+def test_a_shape_that_holds_a_bf16_copy_runs_its_float_ranges_on_it_where_bf16_is_no_slower(monkeypatch):
+    # bf16 (lossy) 3x faster than the float32 copy at 16-64 rows, 1.8x at 512 (short of LOSSY_MARGIN): the
+    # table's picks alone would keep both copies, 6 bytes a weight; bf16 takes the 512-row range too
+    for name in ("qgemm", "bf16", "float"):
+        monkeypatch.setattr(seam.get(name), "supports", lambda layer: None)
+    for name in ("bf16", "float"):
+        monkeypatch.setattr(seam.get(name), "prepare", lambda layer: object())
+    model = _int4_model(1)
+    key = model[0].shape_key()
+    rows = (1, 16, 64, 512)
+    kw = dict(max_rows=512, head_max_rows=8, autotune=False, float_copy_budget=1 << 30)
+    tbl = _table(key, {"qgemm": [1.0, 9.0, 30.0, None], "bf16": [3.0, 3.0, 6.0, 50.0],
+                       "float": [9.0, 9.0, 18.0, 90.0]}, rows)
+    select_kernels(model, table=tbl, **kw)
+    assert model[0].plan.names() == [(1, "qgemm"), (None, "bf16")]
+    # where the float32 copy is the faster of the two over its ranges, both stay
+    tbl = _table(key, {"qgemm": [1.0, 9.0, 30.0, None], "bf16": [3.0, 3.0, 6.0, 100.0],
+                       "float": [9.0, 9.0, 18.0, 90.0]}, rows)
+    select_kernels(model, table=tbl, **kw)
+    assert model[0].plan.names() == [(1, "qgemm"), (64, "bf16"), (None, "float")]
 
 
 def test_a_kernel_must_beat_the_preferred_one_by_a_margin_and_a_lossy_one_by_more(monkeypatch):

@@ -39,7 +39,12 @@ ROTATE = 8                # same-shaped layers a pass rotates over (weights stre
 SLOW_PASS_S = 0.05        # a pass slower than this is timed once more only
 STACK_MARGIN = 0.5        # within the cpu backend's one-call decode rows, displacing qgemm turns that stack off
                           # for the whole model (8.7 vs 16 ms per token, docs/architecture.md), a cost no
-                          # per-linear timing sees: another kernel must be 2x faster there
+                          # per-linear timing sees: another kernel must be 2x faster there ...
+STACK_GAP_S = 1e-3        # ... or this many seconds a call faster. The stack saves a roughly fixed dispatch
+                          # cost per layer (the bundled model's 7.3 ms over 30 layers: 0.25 ms each), while a
+                          # kernel's gap grows with the shape: on a 1B model's FFN (16384x2048, 16 layers,
+                          # Zen 5 EPYC) qmadd at 32 rows took 25.2 ms against the float copy's 12.8, and
+                          # keeping the stack there cost 200 ms a step
 # MEASURE_THREADS: the table is measured on one thread. Every kernel splits its output rows over the
 # threads alike, so their ranking holds at any thread count, and one thread never waits on an OpenMP
 # worker the OS descheduled: with other work on the 2-core VM (load average 10) a 20 us call measured
@@ -221,8 +226,8 @@ class KernelTable:
     def ranges(self, layer: KernelLinear, allowed: set[str], stack_rows: int = 0,
                max_rows: int | None = None, big_stack_rows: int = 0) -> list[tuple[int | None, str]] | None:
         """Fastest allowed kernel per measured row count, as plan ranges; None if nothing measured.
-        Up to stack_rows a kernel off the stack must be STACK_MARGIN faster than qgemm; from there up to
-        big_stack_rows, STACK_MARGIN faster than each kernel, no less precise than it, that the stack runs
+        Up to stack_rows a kernel off the stack must be STACK_MARGIN (or STACK_GAP_S) faster than qgemm; from
+        there up to big_stack_rows, that much faster than each kernel, no less precise than it, that the stack runs
         on the layout of the 1-row pick (that kernel, or the layout's big-batch kernel: STACK_BIG_KERNELS)."""
         e = self.entries.get(layer.shape_key())
         if e is None:
@@ -252,7 +257,7 @@ class KernelTable:
                 free = r > max(stack_rows, UNIFORM_ROWS)
                 pick = _pick([k for k in order if k in t], t, lossy, free)
                 if r <= stack_rows and "qgemm" in t and pick not in STACK_KERNELS \
-                        and t[pick] > t["qgemm"] * (1 - STACK_MARGIN):
+                        and not _leaves_stack(t[pick], t["qgemm"]):
                     pick = "qgemm"
                 elif stack_rows < r <= big_stack_rows and ranges and ranges[0][1] in STACK_KERNELS:
                     first = ranges[0][1]
@@ -260,7 +265,7 @@ class KernelTable:
                     on = [k for k in order if k in t and (k == first or (
                         k in STACK_BIG_KERNELS and _layout(k) == layout))]
                     # on-stack kernels no less precise than the pick that it does not beat by STACK_MARGIN
-                    near = [k for k in on if (pick in lossy or k not in lossy) and t[pick] > t[k] * (1 - STACK_MARGIN)]
+                    near = [k for k in on if (pick in lossy or k not in lossy) and not _leaves_stack(t[pick], t[k])]
                     if near and pick not in on:
                         pick = _pick(near, t, lossy, free)
                 ranges.append((r, pick))
@@ -346,6 +351,11 @@ def _pick(order: list[str], times: dict[str, float], lossy: set[str] = frozenset
     # lossy kernels of one precision (bf16 activations) compete among themselves as precise ones do
     faster = [k for k in order if k in lossy and times[k] < times[best] * (1 - LOSSY_MARGIN)]
     return tie_pick(faster) if faster else best
+
+
+def _leaves_stack(t_off: float, t_on: float) -> bool:
+    """A kernel off the one-call decode stack (t_off seconds a call) is worth leaving it for over one on it."""
+    return t_off < t_on * (1 - STACK_MARGIN) or t_on - t_off > STACK_GAP_S
 
 
 def _time_rotating(kernel, states, layers, x) -> float:
