@@ -35,6 +35,10 @@ def test_c_decoder_matches_gguf_dequantizer_block_by_block(kind):
     layer = KQUANT_LINEAR_TYPES[kind].from_gguf(raw, rows, cols)
     got = layer.dequantize()
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    # the bf16 copy's one-pass expansion: the float32 one rounded as torch rounds it, bit for bit
+    bf = layer.dequantize_bf16()
+    assert bf.dtype == torch.bfloat16
+    assert torch.equal(bf.view(torch.int16), ref.to(torch.bfloat16).view(torch.int16))
 
 
 @needs_c

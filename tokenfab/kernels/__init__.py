@@ -372,10 +372,13 @@ def qbf16(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
 # of 256 weights, bytes per super-block (csrc/kquant.c, tf_kquant_block_bytes).
 
 
-def kdequant(raw: torch.Tensor, type_id: int, out_features: int, in_features: int) -> torch.Tensor:
-    """A K-quant weight (uint8 [out, in / 256 * block bytes]) expanded to float32 [out, in]."""
-    out = torch.empty(out_features, in_features)
-    _lib.tf_kdequant(out.data_ptr(), raw.data_ptr(), out_features, in_features, type_id)
+def kdequant(raw: torch.Tensor, type_id: int, out_features: int, in_features: int,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A K-quant weight (uint8 [out, in / 256 * block bytes]) expanded to float32 [out, in], or to bfloat16
+    (rounded as .to(torch.bfloat16) rounds, without the float32 tensor in between)."""
+    out = torch.empty(out_features, in_features, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    fn = _lib.tf_kdequant_bf16 if dtype == torch.bfloat16 else _lib.tf_kdequant
+    fn(out.data_ptr(), raw.data_ptr(), out_features, in_features, type_id)
     return out
 
 

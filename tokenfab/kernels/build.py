@@ -49,6 +49,7 @@ _SIGNATURES = {
     "tf_qgemm": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_kgemm": [_P, _P, _I, _I, _I, _P, _I],
     "tf_kdequant": [_P, _P, _I, _I, _I],
+    "tf_kdequant_bf16": [_P, _P, _I, _I, _I],
     "tf_qdot": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_qtile": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],
     "tf_qtile_ref": [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I],

@@ -174,6 +174,11 @@ class KernelLinear(nn.Module):
         """The weight this layer computes with, [out, in], as `nn.Linear.weight` would hold it."""
         raise NotImplementedError
 
+    def dequantize_bf16(self) -> torch.Tensor:
+        """The weight rounded to bfloat16 from its float32 expansion (the `bf16` copy's weights); a format
+        with a one-pass kernel for it overrides this."""
+        return self.dequantize(torch.float32).to(torch.bfloat16)
+
     def shape_key(self) -> str:
         """What the measured table is keyed by: format and shape (layers alike in these time alike)."""
         return f"{self.weight_format}:{self.out_features}x{self.in_features}"
@@ -311,7 +316,7 @@ class BF16Copy:
         return None
 
     def prepare(self, layer):
-        return torch.ops.mkldnn._reorder_linear_weight(layer.dequantize(torch.float32).to(torch.bfloat16).contiguous(), None)
+        return torch.ops.mkldnn._reorder_linear_weight(layer.dequantize_bf16().contiguous(), None)
 
     def run(self, state, x, layer):
         # bfloat16 x (KernelLinear.takes_bf16: a norm or SiLU kernel wrote it) gets its bfloat16 result back

@@ -184,6 +184,11 @@ class KQuantLinear(QuantLinear):
                                                       self.out_features, self.in_features)).to(self.blocks.device)
         return w.to(dtype)
 
+    def dequantize_bf16(self):
+        if self.blocks.is_cpu and cpu_kernels.enabled():       # one pass, no float32 [out, in] in between
+            return cpu_kernels.kdequant(self.blocks, self.type_id, self.out_features, self.in_features, torch.bfloat16)
+        return super().dequantize_bf16()
+
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `ids` expanded (a tied K-quant token embedding serves lookups without a float copy)."""
         flat = ids.reshape(-1)

@@ -18,7 +18,7 @@
  *                    activations, argmax
  *   attention.c      decode attention straight from the paged KV pools (float32 and float16)
  *   qgemm.c          tf_qgemm: int4 / int8 / Q8_0 weights times int16 activation blocks (decode rows)
- *   kquant.c         GGUF's K-quant super-blocks: tf_kdequant, tf_kgemm
+ *   kquant.c         GGUF's K-quant super-blocks: tf_kdequant(_bf16), tf_kgemm
  *   qdot.c           tf_qdot: int8 activations (llama.cpp's approach), tf_isa
  *   qmadd.c          tf_qmadd: big batches on tf_qgemm's layout with the outputs in the lanes
  *   decode_layers.c  tf_decode_layers: a whole decode step of the decoder stack in one call
@@ -323,6 +323,7 @@ void tf_qgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const v
 /* kquant.c */
 int64_t tf_kquant_block_bytes(int64_t type);
 void tf_kdequant(float *out, const uint8_t *raw, int64_t N, int64_t K, int64_t type);
+void tf_kdequant_bf16(uint16_t *out, const uint8_t *raw, int64_t N, int64_t K, int64_t type);
 void tf_kgemm(float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *raw, int64_t type);
 #if defined(__AVX2__) && defined(__FMA__)
 TF_HIDDEN void tf_kint8(float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *raw, int64_t type);

@@ -108,6 +108,19 @@ void tf_kdequant(float *out, const uint8_t *raw, int64_t N, int64_t K, int64_t t
         for (int64_t s = 0; s < nsb; s++) tf_kdecode(raw + (n * nsb + s) * bb, type, out + n * K + s * 256);
 }
 
+/* The same expansion narrowed to bfloat16 as torch's .to(torch.bfloat16) narrows it (tf_to_bf16), in one
+ * pass: the bf16 float copy (kernel "bf16") built without a float32 [N, K] in between. */
+void tf_kdequant_bf16(uint16_t *out, const uint8_t *raw, int64_t N, int64_t K, int64_t type) {
+    const int64_t bb = tf_kquant_block_bytes(type), nsb = K / 256;
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 16))
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t s = 0; s < nsb; s++) {
+            float w[256];
+            tf_kdecode(raw + (n * nsb + s) * bb, type, w);
+            tf_narrow_row(out + n * K + s * 256, w, 256);
+        }
+}
+
 static inline float tf_dot256(const float *a, const float *b) {
     float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
