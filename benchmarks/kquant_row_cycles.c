@@ -17,8 +17,8 @@
     }
 ROW_FN(q6k_1, tf_q6k_row, 1)
 ROW_FN(q6k_4, tf_q6k_row, 4)
-ROW_FN(q4k_1, tf_q4k_row, 1)
-ROW_FN(q4k_4, tf_q4k_row, 4)
+ROW_FN(q4k_1, TF_Q4K_ROW, 1)
+ROW_FN(q4k_4, TF_Q4K_ROW, 4)
 /* tf_kint8's rows (int8 activation blocks of 256), on the same buffers read as their int8 / int16 inputs */
 #define ROW8_FN(NAME, FN, M, XS_T)                                                                             \
     __attribute__((noinline)) static void NAME(float *out, const int16_t *xp, const float *dx, const float *xs, \
