@@ -264,7 +264,7 @@ class KernelTable:
                     layout = _layout(first)
                     on = [k for k in order if k in t and (k == first or (
                         k in STACK_BIG_KERNELS and _layout(k) == layout))]
-                    # on-stack kernels no less precise than the pick that it does not beat by STACK_MARGIN
+                    # on-stack kernels no less precise than the pick that it does not beat (_leaves_stack)
                     near = [k for k in on if (pick in lossy or k not in lossy) and not _leaves_stack(t[pick], t[k])]
                     if near and pick not in on:
                         pick = _pick(near, t, lossy, free)
