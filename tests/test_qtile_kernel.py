@@ -218,6 +218,16 @@ def test_lossy_kernels_of_one_precision_compete_by_time_among_themselves(monkeyp
     assert _pick(order, {"qtile": 10.0, "qbf16": 6.0, "bf16": 6.0}, lossy) == "qtile"      # not 2x faster
 
 
+def test_the_bf16_copy_needs_only_1_5x_over_the_float32_copy_it_halves(monkeypatch):
+    """Against a precise float copy, a lossy copy of half its bytes needs LOSSY_COPY_MARGIN (1.5x), not
+    LOSSY_MARGIN (2x); against a precise kernel with no copy, 2x as before."""
+    from tokenfab.kernels.tuning import _pick
+    order, lossy = ["qgemm", "float", "bf16"], {"bf16"}
+    assert _pick(order, {"qgemm": 30.0, "float": 12.9, "bf16": 7.4}, lossy) == "bf16"    # 1.75x the float copy
+    assert _pick(order, {"qgemm": 30.0, "float": 12.9, "bf16": 9.0}, lossy) == "float"   # 1.43x: not enough
+    assert _pick(order, {"qgemm": 10.0, "float": 30.0, "bf16": 6.0}, lossy) == "qgemm"   # 1.67x qgemm: 2x needed
+
+
 def test_the_speculative_policy_prices_rows_by_the_decoders_kernel(monkeypatch):
     from tokenfab.engine.spec.policy import ROW_COST, row_cost_of
     for name in ("qgemm", "qtile"):

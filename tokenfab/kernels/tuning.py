@@ -50,7 +50,12 @@ STACK_GAP_S = 1e-3        # ... or this many seconds a call faster. The stack sa
 # worker the OS descheduled: with other work on the 2-core VM (load average 10) a 20 us call measured
 # on two threads took 10-15 ms, which made the table noise.
 LOSSY_MARGIN = 0.5        # a kernel that rounds activations below the compute precision (torch's packed
-                          # kernels: bf16, KL 1e-3 on the bundled model) must be this much faster to be chosen
+                          # kernels: bf16, KL 1e-3 on the bundled model) must be this much faster to be chosen,
+LOSSY_COPY_MARGIN = 1 / 3 # or this much (1.5x) where the precise pick is a float copy and the lossy kernel's copy
+                          # is smaller: the bf16 copy against the float32 one also halves the copy's memory.
+                          # On a Zen 5 EPYC bf16 measured 1.75-2.0x faster than float32 on a 1B model's shapes
+                          # at 32-512 rows, so LOSSY_MARGIN flipped between the two tables by noise, and with
+                          # it 2.3 or 3.8 GB of copies and 1.4x or 0.9x llama.cpp at 32 streams
 TABLE_VERSION = 2         # what save() writes; 2 added the row buckets 128-512 (linear.ROW_BUCKETS)
 READABLE_VERSIONS = (1, 2)  # a version-1 table's measurements still hold: it is read, and the buckets it
                           # lacks are measured on the next load (a second or so) and saved as version 2
@@ -332,7 +337,8 @@ def _layout(name: str) -> str:
 
 def _pick(order: list[str], times: dict[str, float], lossy: set[str] = frozenset(), free: bool = False) -> str:
     """The best-ranked kernel in `order` unless a later one is TIE_MARGIN (LOSSY_MARGIN for a lossy
-    kernel) faster than the best before it: noise on a shared machine must not flip choices.
+    kernel, LOSSY_COPY_MARGIN for a lossy copy smaller than a float-copy pick) faster than the best before
+    it: noise on a shared machine must not flip choices.
     `free` (row counts above the uniform and stack rows): kernels that share a prepared layout (qgemm and
     qmadd) compete on time alone. Nothing rides on keeping the earlier one there, no bytes and no
     identical sums, and the margin was a bias: at 32 rows qmadd measured 6 % faster than qgemm's four
@@ -348,8 +354,12 @@ def _pick(order: list[str], times: dict[str, float], lossy: set[str] = frozenset
 
     precise = [k for k in order if k not in lossy] or order
     best = tie_pick(precise)
+
+    def lossy_margin(k):
+        smaller_copy = 0 < getattr(get(k), "copy_bytes", 0) < getattr(get(best), "copy_bytes", 0)
+        return LOSSY_COPY_MARGIN if smaller_copy else LOSSY_MARGIN
     # lossy kernels of one precision (bf16 activations) compete among themselves as precise ones do
-    faster = [k for k in order if k in lossy and times[k] < times[best] * (1 - LOSSY_MARGIN)]
+    faster = [k for k in order if k in lossy and times[k] < times[best] * (1 - lossy_margin(k))]
     return tie_pick(faster) if faster else best
 
 
