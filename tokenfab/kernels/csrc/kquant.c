@@ -197,6 +197,14 @@ static inline void tf_kprefetch(const uint8_t *blk, int bytes) {
     for (int l = 0; l < bytes; l += 64) __builtin_prefetch(blk + TF_KPF + l, 0, 3);
 }
 
+/* A Q4_K super-block's 8 sub-block scales and 8 mins as floats: d * sc and dmin * m. */
+static inline __attribute__((always_inline)) void tf_q4k_scales(const uint8_t *blk, __m256 *scv, __m256 *mnv) {
+    uint64_t sc, mn;
+    tf_scale_min_k4_u64(blk + 4, &sc, &mn);
+    *scv = _mm256_mul_ps(_mm256_set1_ps(tf_f16(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc))));
+    *mnv = _mm256_mul_ps(_mm256_set1_ps(tf_f16(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mn))));
+}
+
 static inline __attribute__((always_inline)) void tf_q4k_row(const int M, float *out, const int16_t *xp,
                                                             const float *dx, const float *xs, int64_t K,
                                                             const uint8_t *row) {
@@ -208,12 +216,8 @@ static inline __attribute__((always_inline)) void tf_q4k_row(const int M, float 
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *blk = row + s * 144;
         tf_kprefetch(blk, 144);
-        uint64_t sc, mn;
-        tf_scale_min_k4_u64(blk + 4, &sc, &mn);
-        const __m256 scv = _mm256_mul_ps(_mm256_set1_ps(tf_f16(blk)),
-                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc))));
-        const __m256 mnv = _mm256_mul_ps(_mm256_set1_ps(tf_f16(blk + 2)),
-                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mn))));
+        __m256 scv, mnv;
+        tf_q4k_scales(blk, &scv, &mnv);
         float sx[TF_MAX_ROWS][8] __attribute__((aligned(32)));
         for (int r = 0; r < M; r++) {
             _mm256_store_ps(sx[r], _mm256_mul_ps(scv, _mm256_loadu_ps(dx + r * nb + s * 8)));
@@ -262,12 +266,8 @@ static inline __attribute__((always_inline)) void tf_q4k_row512(const int M, flo
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *blk = row + s * 144;
         tf_kprefetch(blk, 144);
-        uint64_t sc, mn;
-        tf_scale_min_k4_u64(blk + 4, &sc, &mn);
-        const __m256 scv = _mm256_mul_ps(_mm256_set1_ps(tf_f16(blk)),
-                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc))));
-        const __m256 mnv = _mm256_mul_ps(_mm256_set1_ps(tf_f16(blk + 2)),
-                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mn))));
+        __m256 scv, mnv;
+        tf_q4k_scales(blk, &scv, &mnv);
         float sx[TF_MAX_ROWS][8] __attribute__((aligned(32)));
         for (int r = 0; r < M; r++) {
             _mm256_store_ps(sx[r], _mm256_mul_ps(scv, _mm256_loadu_ps(dx + r * nb + s * 8)));
